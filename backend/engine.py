@@ -1,0 +1,133 @@
+"""The engine: `step()` = schedule -> run -> postprocess, over continuously batched requests."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch
+from volundr.block_manager import BlockManager, StateSlots
+from volundr.config import VolundrConfig
+from volundr.model_runner import ModelRunner
+from volundr.sampling_params import SamplingParams
+from volundr.scheduler import ScheduledSeq, Scheduler
+from volundr.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str
+    dtype: torch.dtype
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "num_kv_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
+                f"hold one sequence of max_model_len={self.max_model_len} tokens")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
+                 ecfg: EngineConfig, eos_token_ids: tuple[int, ...]):
+        self.cfg, self.ecfg = cfg, ecfg
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
+                                  ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
+                                  ecfg.seed)
+        self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
+        self.slots = StateSlots(ecfg.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
+                                   ecfg.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.ecfg.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                             f"{self.ecfg.max_model_len} tokens, including the output")
+        if any(t < 0 or t >= self.cfg.vocab_size for t in ids):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        tokens = self.runner.run(batch)
+        return self._postprocess(batch, tokens)
+
+    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int]) -> list[RequestOutput]:
+        outs, it = [], iter(tokens)
+        for item in batch:
+            seq, samples = item.seq, item.samples  # `samples` reads num_computed_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            if not samples:
+                continue
+            tok = next(it)
+            seq.token_ids.append(tok)
+            p = seq.params
+            reason = None
+            hidden = False  # a stop or eos token ends the request without being emitted
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                reason, hidden = "stop", True
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.ecfg.max_model_len:
+                reason = "length"
+            new = seq.output_token_ids[seq.num_emitted:]
+            if hidden:
+                new = new[:-1]
+            seq.num_emitted += len(new)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+            outs.append(RequestOutput(seq.request_id, new, reason is not None, reason,
+                                      seq.num_prompt_tokens, seq.num_output_tokens))
+        return outs
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_blocks_total": self.block_manager.num_blocks,
+            "num_blocks_free": self.block_manager.num_free,
+            "num_slots_total": self.slots.num_slots,
+            "num_slots_free": self.slots.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }

@@ -1,0 +1,115 @@
+"""User-facing offline API: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from volundr.engine import EngineConfig, LLMEngine, RequestOutput
+from volundr.sampling_params import SamplingParams
+
+
+def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num_seqs: int,
+                       max_num_batched_tokens: int, max_model_len: int, block_size: int) -> int:
+    """KV pool size: on CUDA what the memory plan leaves for KV under the budget; on the CPU
+    room for every sequence at full length."""
+    per_seq = (max_model_len + block_size - 1) // block_size
+    if device.type != "cuda":
+        return max_num_seqs * per_seq
+    from volundr.memory import plan_memory
+
+    if gpu_gib is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu_gib = 0.9 * free / 2**30
+    plan = plan_memory(cfg, gpu_gib, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens)
+    if not plan.fits:
+        raise ValueError(f"the model does not fit a {gpu_gib:.1f} GiB GPU budget:\n"
+                         f"{plan.describe()}")
+    return min(plan.kv_gpu_tokens // block_size, max_num_seqs * per_seq)
+
+
+class LLM:
+    def __init__(self, model: str | Path, device: str | None = None,
+                 dtype: torch.dtype | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 block_size: int = 16, gpu_gib: float | None = None,
+                 num_kv_blocks: int | None = None, seed: int = 0):
+        from volundr.converter.loader import load_checkpoint, resolve_model_dir
+
+        self.model_dir = resolve_model_dir(model)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        cfg, state_dict = load_checkpoint(self.model_dir, device="cpu")
+        self.config = cfg
+        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.eos_token_ids = self._eos_ids(cfg)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        if num_kv_blocks is None:
+            num_kv_blocks = _default_kv_blocks(cfg, dev, gpu_gib, max_num_seqs,
+                                               max_num_batched_tokens, self.max_model_len,
+                                               block_size)
+        ecfg = EngineConfig(device=str(dev), dtype=dtype, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=self.max_model_len, block_size=block_size,
+                            num_kv_blocks=num_kv_blocks, seed=seed)
+        self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
+        del state_dict
+
+    def _eos_ids(self, cfg) -> tuple[int, ...]:
+        ids = list(cfg.eos_token_id)
+        gen = self.model_dir / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id", [])
+            ids += eos if isinstance(eos, list) else [eos]
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    # ---- request level (one thread drives these) ----------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        return self.engine.add_request(prompt_token_ids, params, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    # ---- batch level ----------------------------------------------------------------------
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return list(prompt)
+
+    def stream(self, prompts: list[str] | list[list[int]],
+               params: SamplingParams | list[SamplingParams]) -> Iterator[list[RequestOutput]]:
+        """Adds every prompt at once (one batch); yields each step's outputs."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            self.add_request(self._encode(prompt), p, request_id=f"gen-{i}")
+        while self.has_unfinished():
+            outs = self.step()
+            if outs:
+                yield outs
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
+        """Runs all prompts as one continuous batch; returns {prompt, token_ids, text} each."""
+        params = params or SamplingParams()
+        ids: dict[str, list[int]] = {f"gen-{i}": [] for i in range(len(prompts))}
+        for outs in self.stream(prompts, params):
+            for o in outs:
+                ids[o.request_id].extend(o.new_token_ids)
+        return [{"prompt": p, "token_ids": ids[f"gen-{i}"],
+                 "text": self.tokenizer.decode(ids[f"gen-{i}"])}
+                for i, p in enumerate(prompts)]

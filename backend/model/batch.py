@@ -1,0 +1,34 @@
+"""What one forward pass needs besides the weights: the packed batch and its cache indices.
+
+The ModelRunner builds one `ForwardBatch` per engine step. T tokens of N sequences are packed
+back to back; sequence n owns tokens cu_list[n]:cu_list[n + 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor          # [T] long, device
+    positions: torch.Tensor          # [T] long, device: absolute position in its sequence
+    cu_seqlens: torch.Tensor         # [N + 1] int32, device
+    cu_list: list[int]               # the same on the host
+    slot_ids: torch.Tensor           # [N] long, device: state slot of each sequence
+    slot_mapping: torch.Tensor       # [T] long, device: KV cache slot of each token
+    block_tables: torch.Tensor       # [N, max_blocks] int32, device
+    context_lens: torch.Tensor       # [N] int32, device: cached tokens incl. this step's
+    max_q_len: int
+    max_context_len: int
+    ngram_ids: torch.Tensor          # [T, max_order] long, host: ids[t - max_order + 1 .. t]
+    logits_indices: torch.Tensor     # [M] long, device: tokens whose next-token logits we need
+    # Precomputed input embeddings (images): rows of the packed batch to overwrite, and values.
+    embed_positions: torch.Tensor | None = None  # [E] long
+    embeds: torch.Tensor | None = None           # [E, hidden]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_list) - 1

@@ -1,0 +1,67 @@
+"""Kimi Delta Attention layer (the formulation of fla.layers.kda.KimiDeltaAttention).
+
+x [T, d] -> q, k, v = SiLU(causal_conv4(W_{q,k,v} x))     (H heads of K = V channels)
+         g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)   per head and key channel
+         beta = sigmoid(W_b x)                                  per head
+         o = KDA(l2norm(q) * K^-0.5, l2norm(k), v, g, beta)     recurrent state S [K, V] fp32
+         out = W_o (RMSNorm_head(o) * sigmoid(g_b(g_a(x))))
+Per sequence the layer keeps S (state slot) and the last conv_size - 1 conv inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from volundr import ops
+from volundr.config import VolundrConfig
+from volundr.kernels.kda.naive import kda_gate
+from volundr.model.batch import ForwardBatch
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: VolundrConfig):
+        super().__init__()
+        c = cfg.kda
+        d, self.H, self.K = cfg.hidden_size, c.num_heads, c.head_dim
+        hk, r = self.H * self.K, c.rank
+        self.q_proj = nn.Linear(d, hk, bias=False)
+        self.k_proj = nn.Linear(d, hk, bias=False)
+        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.q_conv1d = nn.Module()
+        self.k_conv1d = nn.Module()
+        self.v_conv1d = nn.Module()
+        for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            m.weight = nn.Parameter(torch.zeros(hk, c.conv_size))
+        self.f_a_proj = nn.Linear(d, r, bias=False)
+        self.f_b_proj = nn.Linear(r, hk, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.H))
+        self.dt_bias = nn.Parameter(torch.zeros(hk))
+        self.b_proj = nn.Linear(d, self.H, bias=False)
+        self.g_a_proj = nn.Linear(d, r, bias=False)
+        self.g_b_proj = nn.Linear(r, hk, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.K))
+        self.o_proj = nn.Linear(hk, d, bias=False)
+        self.eps = cfg.rms_norm_eps
+        # Bound by the ModelRunner: [slots, H, K, V] fp32 and [slots, 3 * H * K, conv - 1].
+        self.state: torch.Tensor | None = None
+        self.conv_state: torch.Tensor | None = None
+
+    def conv_weight(self) -> torch.Tensor:
+        """q, k and v convs as one depthwise conv over 3 * H * K channels."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+
+    def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        T, H, K = x.shape[0], self.H, self.K
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = ops.causal_conv(qkv, self.conv_weight(), self.conv_state, b.slot_ids,
+                              b.cu_seqlens, activation="silu")
+        q, k, v = qkv.view(T, 3, H, K).unbind(1)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o = ops.kda_mixer(q, k, v, g, beta, self.state, b.slot_ids, b.cu_seqlens, b.cu_list,
+                          scale=K ** -0.5)                                 # [T, H, V]
+        o = ops.rms_norm(o, self.o_norm.weight, self.eps)
+        gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x)).float()).view(T, H, K)
+        o = (o.float() * gate).to(x.dtype)
+        return self.o_proj(o.reshape(T, H * K))

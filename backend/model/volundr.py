@@ -1,0 +1,131 @@
+"""Volundr for causal LM: 72 (or a tiny number of) hybrid layers, 1 full-attention layer in 4.
+
+Every layer: h = h + Mixer(RMSNorm(h)); h = h + MLP(RMSNorm(h)); Engram layers first do
+h = h + Engram(h, ids). Then the final RMSNorm and lm_head. The MTP block predicts token i + 2
+from the last hidden state of token i and the embedding of token i + 1 (a draft source).
+
+The token embedding and the Engram tables are host-resident lookup tables (not parameters): the
+rows a step needs are gathered on the host and copied, so they never count against the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from volundr.config import VolundrConfig
+from volundr.model.attention import Attention
+from volundr.model.batch import ForwardBatch
+from volundr.model.engram import Engram, engram_rows
+from volundr.model.kda import KDA
+from volundr.model.layers import MLP, RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: VolundrConfig, attention: bool, engram: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if attention:
+            self.self_attn = Attention(cfg)
+        else:
+            self.kda = KDA(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.engram = Engram(cfg) if engram else None
+
+    def forward(self, h: torch.Tensor, b: ForwardBatch, rows: torch.Tensor | None):
+        if self.engram is not None:
+            h = self.engram(h, b, rows)
+        mixer = self.self_attn if hasattr(self, "self_attn") else self.kda
+        out = mixer(self.input_layernorm(h), b)
+        x, h = self.post_attention_layernorm(out, residual=h)  # h += out; x = norm(h)
+        return h + self.mlp(x)
+
+
+class MTPBlock(nn.Module):
+    """h' = W_eh [RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)], then one full-attention layer."""
+
+    def __init__(self, cfg: VolundrConfig):
+        super().__init__()
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layer = DecoderLayer(cfg, attention=True, engram=False)
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, b: ForwardBatch):
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        return self.layer(x, b, None)
+
+
+class VolundrModel(nn.Module):
+    def __init__(self, cfg: VolundrConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.is_attention(i), i in cfg.engram.layers)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class VolundrForCausalLM(nn.Module):
+    def __init__(self, cfg: VolundrConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = VolundrModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPBlock(cfg) if cfg.mtp.num_layers else None
+        self.embed_tokens: torch.Tensor | None = None  # [vocab, hidden] on the host
+
+    # ---- weights ------------------------------------------------------------------------
+    def host_tensor_names(self) -> list[str]:
+        names = ["model.embed_tokens.weight"]
+        for i in self.cfg.engram.layers:
+            names += [f"model.layers.{i}.engram.tables.{j}"
+                      for j in range(self.cfg.engram.num_tables)]
+        return names
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], pin: bool = False) -> None:
+        """Host tables go to host memory (pinned for fast copies); the rest into parameters."""
+        sd = dict(state_dict)
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.to("cpu")
+            return t.pin_memory() if pin else t
+
+        self.embed_tokens = host(sd.pop("model.embed_tokens.weight"))
+        for i in self.cfg.engram.layers:
+            eng = self.model.layers[i].engram
+            eng.tables = [host(sd.pop(f"model.layers.{i}.engram.tables.{j}"))
+                          for j in range(self.cfg.engram.num_tables)]
+        if self.cfg.tie_word_embeddings:
+            sd["lm_head.weight"] = self.embed_tokens
+        self.load_state_dict(sd, strict=True)
+
+    # ---- forward ------------------------------------------------------------------------
+    def embed(self, ids_host: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        """Gather embedding rows on the host, copy them to `device`.  ids [T] -> [T, d]."""
+        e = self.embed_tokens[ids_host.long()]
+        if device.type == "cuda":
+            e = e.pin_memory().to(device, non_blocking=True)
+        return e.to(device=device, dtype=dtype)
+
+    def forward(self, b: ForwardBatch) -> torch.Tensor:
+        """Hidden states of every token before the final norm, [T, d]."""
+        # Norm weights are never quantized: they carry the compute dtype and device.
+        dtype, device = self.model.norm.weight.dtype, self.model.norm.weight.device
+        h = self.embed(b.ngram_ids[:, -1], device, dtype)
+        if b.embed_positions is not None:
+            h[b.embed_positions] = b.embeds.to(h.dtype)
+        rows = engram_rows(b.ngram_ids, self.cfg.engram) if self.cfg.engram.layers else None
+        for layer in self.model.layers:
+            h = layer(h, b, rows)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head of selected hidden states [M, d] -> fp32 logits [M, vocab]."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def mtp_logits(self, hidden: torch.Tensor, next_ids_host: torch.Tensor, b: ForwardBatch):
+        """MTP draft logits for token i + 2 from hidden of i [T, d] and ids of i + 1 [T]."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP block")
+        e = self.embed(next_ids_host, hidden.device, hidden.dtype)
+        return self.compute_logits(self.mtp(hidden, e, b))

@@ -1,0 +1,116 @@
+"""Runs the model on one device: owns the weights, the caches, and turns a schedule into tensors.
+
+Caches, allocated once:
+  attention KV   per attention layer (and the MTP layer): [num_blocks, block_size, Hkv, D]
+  KDA state      per KDA layer: [slots, H, K, V] fp32; conv tails [slots, 3 * H * K, conv - 1]
+  Engram conv    per Engram layer: [slots, hidden, conv - 1]
+"""
+
+from __future__ import annotations
+
+import torch
+from volundr.config import VolundrConfig
+from volundr.model import ForwardBatch, VolundrForCausalLM
+from volundr.sampler import Sampler
+from volundr.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
+                 block_size: int, seed: int = 0):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
+        with torch.device("meta"):
+            model = VolundrForCausalLM(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        if cfg.quantization is not None:
+            from volundr.model.quant_linear import apply_quantization
+
+            state_dict = dict(state_dict)
+            apply_quantization(model, cfg, state_dict)
+        model.load_weights(state_dict, pin=device.type == "cuda")
+        self.model = model.eval()
+        self.sampler = Sampler(device, seed)
+        self._allocate_caches()
+
+    def _allocate_caches(self) -> None:
+        cfg, dev, n = self.cfg, self.device, self.num_slots
+        kv_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        k = cfg.kda
+        self.states: list[torch.Tensor] = []  # every per-slot tensor, zeroed on admission
+        for layer in self.model.model.layers:
+            if layer.engram is not None:
+                layer.engram.conv_state = torch.zeros(
+                    n, cfg.hidden_size, cfg.engram.conv_size - 1, device=dev, dtype=self.dtype)
+                self.states.append(layer.engram.conv_state)
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
+                layer.self_attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
+            else:
+                layer.kda.state = torch.zeros(n, k.num_heads, k.head_dim, k.head_dim,
+                                              device=dev, dtype=torch.float32)
+                layer.kda.conv_state = torch.zeros(n, 3 * k.num_heads * k.head_dim,
+                                                   k.conv_size - 1, device=dev, dtype=self.dtype)
+                self.states += [layer.kda.state, layer.kda.conv_state]
+        if self.model.mtp is not None:
+            attn = self.model.mtp.layer.self_attn
+            attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
+            attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
+
+    # ---- schedule -> tensors ------------------------------------------------------------
+    def prepare(self, batch: list[ScheduledSeq]) -> ForwardBatch:
+        bs, m = self.block_size, self.cfg.engram.max_order
+        pad = self.cfg.engram.pad_id
+        positions, slot_mapping, ngrams, logits_idx = [], [], [], []
+        cu, ctx, tables = [0], [], []
+        for item in batch:
+            seq, s = item.seq, item.seq.num_computed_tokens
+            e = s + item.num_new_tokens
+            positions.extend(range(s, e))
+            slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(s, e))
+            window = seq.token_ids[max(0, s - m + 1):e]
+            window = [pad] * (e - s + m - 1 - len(window)) + window
+            ngrams.append(torch.tensor(window, dtype=torch.long).unfold(0, m, 1))
+            cu.append(cu[-1] + e - s)
+            ctx.append(e)
+            tables.append(seq.block_table)
+            if item.samples:
+                logits_idx.append(cu[-1] - 1)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        ngram_ids = torch.cat(ngrams)
+
+        def dev(x, dtype=torch.long):
+            return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=dev(ngram_ids[:, -1]),
+            positions=dev(positions),
+            cu_seqlens=dev(cu, torch.int32),
+            cu_list=cu,
+            slot_ids=dev([item.seq.slot for item in batch]),
+            slot_mapping=dev(slot_mapping),
+            block_tables=table.to(self.device, non_blocking=True),
+            context_lens=dev(ctx, torch.int32),
+            max_q_len=max(item.num_new_tokens for item in batch),
+            max_context_len=max(ctx),
+            ngram_ids=ngram_ids,
+            logits_indices=dev(logits_idx),
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> list[int]:
+        """One forward over the batch; returns a sampled token for each item that samples."""
+        fresh = [item.seq.slot for item in batch if item.seq.num_computed_tokens == 0]
+        if fresh:
+            idx = torch.tensor(fresh, device=self.device)
+            for t in self.states:
+                t[idx] = 0
+        b = self.prepare(batch)
+        hidden = self.model(b)
+        sampling = [item.seq for item in batch if item.samples]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[b.logits_indices])
+        return self.sampler(logits, sampling)

@@ -1,0 +1,103 @@
+"""The one place that decides which implementation of each op the engine runs.
+
+CUDA tensors take the Triton kernels of `volundr.kernels.<op>` (their `engine.py` modules);
+CPU tensors, or `VOLUNDR_NAIVE=1`, take the naive PyTorch references. The model calls only the
+functions below, so swapping a kernel never touches model code.
+
+Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
+  kda_mixer   q, k [T, H, K] (pre-L2-norm), v [T, H, V], g [T, H, K] (log decay), beta [T, H],
+              state [slots, H, K, V] fp32 updated in place at `slot_ids` [N].
+  causal_conv x [T, C], weight [C, W], conv_state [slots, C, W - 1] updated in place.
+  attention   q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D].
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
+from volundr.kernels.kda.naive import naive_causal_conv1d, naive_chunk_kda, naive_recurrent_kda
+from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
+
+
+@functools.cache
+def _fast_module(name: str):
+    """`volundr.kernels.<name>.engine` when kernels are enabled and that module exists."""
+    if os.environ.get("VOLUNDR_NAIVE", "0") == "1":
+        return None
+    modname = f"volundr.kernels.{name}.engine"
+    try:
+        return importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name == modname:  # not written yet; any other missing import is a real error
+            return None
+        raise
+
+
+def _fast(x: torch.Tensor, name: str):
+    return _fast_module(name) if x.is_cuda else None
+
+
+def kda_mixer(q, k, v, g, beta, state: torch.Tensor, slot_ids: torch.Tensor,
+              cu_seqlens: torch.Tensor, cu_list: list[int], scale: float) -> torch.Tensor:
+    """KDA over packed sequences with per-sequence recurrent state; returns o [T, H, V]."""
+    fast = _fast(q, "kda")
+    if fast is not None:
+        return fast.kda_mixer(q, k, v, g, beta, state, slot_ids, cu_seqlens, cu_list, scale)
+    init = state[slot_ids]
+    args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0))
+    decode = all(cu_list[i + 1] - cu_list[i] <= 1 for i in range(len(cu_list) - 1))
+    fn = naive_recurrent_kda if decode else naive_chunk_kda
+    o, final = fn(*args, scale=scale, initial_state=init, output_final_state=True,
+                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    state[slot_ids] = final
+    return o.squeeze(0)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal conv (+ SiLU) over packed sequences, carrying each sequence's tail."""
+    fast = _fast(x, "kda")
+    if fast is not None and hasattr(fast, "causal_conv"):
+        return fast.causal_conv(x, weight, conv_state, slot_ids, cu_seqlens, activation)
+    tails = conv_state[slot_ids]
+    y = naive_causal_conv1d(x, weight, tails, cu_seqlens, activation)
+    conv_state[slot_ids] = tails
+    return y
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    fast = _fast(k, "attention")
+    if fast is not None:
+        return fast.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    naive_store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                    scale: float, max_q_len: int, max_context_len: int) -> torch.Tensor:
+    """Causal GQA attention of the new tokens over cache + themselves; o [T, Hq, D]."""
+    fast = _fast(q, "attention")
+    if fast is not None:
+        return fast.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                    context_lens, scale, max_q_len, max_context_len)
+    return naive_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                 context_lens, scale)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """RMSNorm; with `residual`, returns (norm(x + residual), x + residual)."""
+    fast = _fast(x, "norm")
+    if fast is not None:
+        return fast.rms_norm(x, weight, eps, residual)
+    return naive_rms_norm(x, weight, eps, residual)
+
+
+def swiglu(gate, up):
+    fast = _fast(gate, "norm")
+    if fast is not None:
+        return fast.swiglu(gate, up)
+    return naive_swiglu(gate, up)

@@ -1,0 +1,106 @@
+"""Continuous batching with chunked prefill.
+
+Each step gets a token budget (`max_num_batched_tokens`). Running sequences that decode get one
+token each first (latency), then unfinished prefills continue, then waiting requests are
+admitted while a state slot, KV blocks and budget remain and fewer than `max_num_seqs` run. A
+long prompt is split over steps (chunked prefill): the KDA state and KV cache carry the prefix.
+When KV blocks run out, the most recently admitted sequence is preempted and later recomputed
+(its fixed-size KDA state cannot be rebuilt without re-reading its tokens).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from volundr.block_manager import BlockManager, StateSlots
+from volundr.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens [num_computed, num_computed + num_new) run this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, slots: StateSlots, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.slots = slots
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # Decoding sequences first, then continuing prefills; each in admission order.
+        order = sorted(self.running, key=lambda s: not s.is_decoding)
+        scheduled: set[int] = set()
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted in this loop
+                continue
+            n = min(seq.num_pending_tokens, budget)
+            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                # The newest sequence not already in this step's batch gives way (maybe seq).
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            scheduled.add(seq.seq_id)
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending_tokens, budget)
+            if self.slots.num_free == 0 or not self.bm.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.slot = self.slots.allocate()
+            seq.status = SequenceStatus.RUNNING
+            self.bm.grow(seq, n)
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self._release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free its blocks and slot (also used for aborts)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free(seq)
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None

@@ -1,0 +1,71 @@
+"""A request's token ids and bookkeeping, in plain Python (testable without a GPU)."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+from volundr.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens [0, num_computed_tokens) are in the KV cache and folded into the KDA state.
+        self.num_computed_tokens = 0
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.slot: int | None = None  # KDA / conv / Engram state slot while running
+        self.finish_reason: str | None = None
+        self.num_emitted = 0  # output ids already handed to the caller
+        self.generator = None  # per-request torch.Generator for seeded sampling
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """After preemption the state is gone: the whole sequence is prefilled again."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.slot = None
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,199 @@
+"""The engine on the CPU with the tiny Volundr (random weights from the converter's presets):
+model math vs an independent reference, chunked prefill, continuous batching invariance,
+seeded sampling, preemption, abort and stop conditions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from reference_model import reference_logits
+from volundr.block_manager import BlockManager, StateSlots
+from volundr.converter.presets import get_config, random_state_dict
+from volundr.engine import EngineConfig, LLMEngine
+from volundr.sampling_params import SamplingParams
+from volundr.scheduler import ScheduledSeq
+from volundr.sequence import Sequence
+
+EOS = (2, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
+    return cfg, random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1)
+
+
+def make_engine(tiny, **kw) -> LLMEngine:
+    cfg, sd = tiny
+    args = dict(device="cpu", dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64,
+                max_model_len=256, num_kv_blocks=160)
+    args.update(kw)
+    return LLMEngine(cfg, sd, EngineConfig(**args), EOS)
+
+
+def run_all(engine: LLMEngine, requests, arrivals=None) -> dict[str, list[int]]:
+    """Runs requests [(id, prompt, params)], adding request i before step arrivals[i]."""
+    arrivals = arrivals or [0] * len(requests)
+    out: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    step = 0
+    while True:
+        for (rid, prompt, params), at in zip(requests, arrivals):
+            if at == step:
+                engine.add_request(prompt, params, rid)
+        if not engine.has_unfinished() and step > max(arrivals):
+            return out
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        step += 1
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
+
+
+def test_engine_logits_match_reference_for_any_chunking(tiny):
+    cfg, sd = tiny
+    engine = make_engine(tiny)
+    runner = engine.runner
+    ids = prompts(1, 0)[0] + list(range(3, 40))
+    ref = reference_logits(cfg, sd, ids)
+    for chunk in (len(ids), 7, 1):
+        seq = Sequence("r", ids, SamplingParams())
+        seq.slot = engine.slots.allocate()
+        got = []
+        with torch.inference_mode():
+            for s in range(0, len(ids), chunk):
+                n = min(chunk, len(ids) - s)
+                engine.block_manager.grow(seq, s + n)
+                if s == 0:
+                    for t in runner.states:
+                        t[seq.slot] = 0
+                b = runner.prepare([ScheduledSeq(seq, n)])
+                got.append(runner.model.compute_logits(runner.model(b)))
+                seq.num_computed_tokens += n
+        torch.testing.assert_close(torch.cat(got), ref, atol=2e-3, rtol=2e-3)
+        engine.block_manager.free(seq)
+        engine.slots.free(seq.slot)
+
+
+def test_greedy_alone_equals_staggered_continuous_batch(tiny):
+    ps = prompts(8, 1)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = {f"r{i}": run_all(make_engine(tiny), [(f"r{i}", p, greedy)])[f"r{i}"]
+             for i, p in enumerate(ps)}
+    engine = make_engine(tiny, max_num_batched_tokens=24)   # forces chunked prefill + mixing
+    batched = run_all(engine, [(f"r{i}", p, greedy) for i, p in enumerate(ps)],
+                      arrivals=[0, 0, 1, 3, 3, 4, 7, 9])
+    assert batched == alone
+    assert all(len(v) == 12 for v in alone.values())
+    assert len({tuple(v) for v in alone.values()}) > 1  # not a degenerate model
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny):
+    p = prompts(1, 2)[0] * 3
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    whole = run_all(make_engine(tiny, max_num_batched_tokens=256), [("a", p, greedy)])
+    chunked = run_all(make_engine(tiny, max_num_batched_tokens=5), [("a", p, greedy)])
+    assert whole == chunked
+
+
+def test_seeded_sampling_same_alone_and_batched(tiny):
+    ps = prompts(5, 3)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01,
+                             seed=100 + i, ignore_eos=True) for i in range(5)]
+    alone = {f"s{i}": run_all(make_engine(tiny), [(f"s{i}", p, params[i])])[f"s{i}"]
+             for i, p in enumerate(ps)}
+    batched = run_all(make_engine(tiny), [(f"s{i}", p, params[i]) for i, p in enumerate(ps)],
+                      arrivals=[0, 1, 1, 2, 5])
+    assert batched == alone
+    reseeded = run_all(make_engine(tiny), [("x", ps[0], params[1])])["x"]
+    assert reseeded != alone["s0"]  # the seed matters
+
+
+def test_preemption_recomputes_to_the_same_ids(tiny):
+    ps = prompts(4, 4)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reqs = [(f"p{i}", p, greedy) for i, p in enumerate(ps)]
+    roomy = run_all(make_engine(tiny), reqs)
+    engine = make_engine(tiny, num_kv_blocks=8, max_model_len=128)  # 128 tokens for all four
+    tight = run_all(engine, reqs)
+    assert tight == roomy
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats()["num_blocks_free"] == 8
+
+
+def test_abort_frees_every_block_and_slot(tiny):
+    engine = make_engine(tiny)
+    full = engine.stats()
+    for i, p in enumerate(prompts(6, 5)):
+        engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True), f"a{i}")
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["num_blocks_free"] < full["num_blocks_free"]
+    for i in range(6):
+        assert engine.abort(f"a{i}")
+    assert not engine.abort("a0")
+    assert engine.stats() == full
+    assert not engine.has_unfinished()
+
+
+def test_stop_conditions(tiny):
+    engine = make_engine(tiny)
+    p = prompts(1, 6)[0]
+    free = run_all(engine, [("f", p, SamplingParams(max_tokens=8, temperature=0.0,
+                                                   ignore_eos=True))])["f"]
+    assert len(free) == 8
+    stop_at = free[3]
+    engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                         stop_token_ids=(stop_at,)), "s")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got == free[:free.index(stop_at)]          # the stop token itself is not emitted
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request(list(range(3, 300)), SamplingParams(), "long")
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], SamplingParams(), "empty")
+
+
+def test_length_limit_by_context(tiny):
+    engine = make_engine(tiny, max_model_len=32)
+    out = run_all(engine, [("c", list(range(3, 28)), SamplingParams(max_tokens=100,
+                                                                    ignore_eos=True))])
+    assert len(out["c"]) == 32 - 25
+
+
+def test_mtp_block_predicts_from_hidden_states(tiny):
+    cfg, sd = tiny
+    engine = make_engine(tiny)
+    runner = engine.runner
+    ids = prompts(1, 7)[0] + [5, 6, 7]
+    seq = Sequence("m", ids, SamplingParams())
+    seq.slot = engine.slots.allocate()
+    engine.block_manager.grow(seq, len(ids))
+    with torch.inference_mode():
+        b = runner.prepare([ScheduledSeq(seq, len(ids))])
+        hidden = runner.model(b)
+        # MTP at position i reads hidden_i and the id at i + 1 (the last one is a guess).
+        nxt = torch.tensor(ids[1:] + [3])
+        logits = runner.model.mtp_logits(hidden, nxt, b)
+    assert logits.shape == (len(ids), cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_block_manager_and_slots_bookkeeping():
+    bm, slots = BlockManager(8, 4), StateSlots(2)
+    seq = Sequence("x", [1, 2, 3], SamplingParams())
+    bm.grow(seq, 9)
+    assert len(seq.block_table) == 3 and bm.num_free == 5
+    assert not bm.can_grow(seq, 33)
+    bm.free(seq)
+    assert bm.num_free == 8 and seq.block_table == []
+    a = slots.allocate()
+    slots.free(a)
+    with pytest.raises(RuntimeError):
+        slots.free(a)
