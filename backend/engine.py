@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+
 from volundr.block_manager import BlockManager, StateSlots
 from volundr.config import VolundrConfig
 from volundr.model_runner import ModelRunner
@@ -24,6 +25,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 0
     seed: int = 0
+    cuda_graphs: bool = True  # capture the decode step on CUDA
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -53,7 +55,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
                                   ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
-                                  ecfg.seed)
+                                  ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs)
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,

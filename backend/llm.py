@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+
 from volundr.engine import EngineConfig, LLMEngine, RequestOutput
 from volundr.sampling_params import SamplingParams
 

@@ -9,6 +9,7 @@ Caches, allocated once:
 from __future__ import annotations
 
 import torch
+
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.sampler import Sampler
@@ -18,24 +19,33 @@ from volundr.scheduler import ScheduledSeq
 class ModelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
-                 block_size: int, seed: int = 0):
+                 block_size: int, seed: int = 0, max_model_len: int = 2048,
+                 cuda_graphs: bool = True):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
+        self.max_model_len = max_model_len
         with torch.device("meta"):
             model = VolundrForCausalLM(cfg)
-        model = model.to_empty(device=device).to(dtype)
         if cfg.quantization is not None:
             from volundr.model.quant_linear import apply_quantization
 
             state_dict = dict(state_dict)
             apply_quantization(model, cfg, state_dict)
-        model.load_weights(state_dict, pin=device.type == "cuda")
+        model.load_weights(state_dict, device, dtype)
         self.model = model.eval()
         self.sampler = Sampler(device, seed)
         self._allocate_caches()
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from volundr.cuda_graph import CUDAGraphRunner
+
+            self.graphs = CUDAGraphRunner(
+                self.model, device, dtype, num_slots, -(-max_model_len // block_size),
+                max_model_len, scratch_slot=num_slots)
 
     def _allocate_caches(self) -> None:
-        cfg, dev, n = self.cfg, self.device, self.num_slots
+        # One slot more than the scheduler hands out: the scratch slot of CUDA-graph padding.
+        cfg, dev, n = self.cfg, self.device, self.num_slots + 1
         kv_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         k = cfg.kda
         self.states: list[torch.Tensor] = []  # every per-slot tensor, zeroed on admission
@@ -60,6 +70,7 @@ class ModelRunner:
 
     # ---- schedule -> tensors ------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> ForwardBatch:
+        """Index tensors of the step, plus the host lookups (embedding and Engram rows)."""
         bs, m = self.block_size, self.cfg.engram.max_order
         pad = self.cfg.engram.pad_id
         positions, slot_mapping, ngrams, logits_idx = [], [], [], []
@@ -84,7 +95,7 @@ class ModelRunner:
         def dev(x, dtype=torch.long):
             return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
-        return ForwardBatch(
+        b = ForwardBatch(
             input_ids=dev(ngram_ids[:, -1]),
             positions=dev(positions),
             cu_seqlens=dev(cu, torch.int32),
@@ -98,6 +109,8 @@ class ModelRunner:
             ngram_ids=ngram_ids,
             logits_indices=dev(logits_idx),
         )
+        self.model.gather_inputs(b)
+        return b
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
@@ -108,8 +121,10 @@ class ModelRunner:
             for t in self.states:
                 t[idx] = 0
         b = self.prepare(batch)
-        hidden = self.model(b)
         sampling = [item.seq for item in batch if item.samples]
+        if self.graphs is not None and self.graphs.can_run(b):
+            return self.sampler(self.graphs.run(b), sampling)
+        hidden = self.model(b)
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[b.logits_indices])

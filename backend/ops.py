@@ -18,6 +18,7 @@ import importlib
 import os
 
 import torch
+
 from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
 from volundr.kernels.kda.naive import naive_causal_conv1d, naive_chunk_kda, naive_recurrent_kda
 from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu

@@ -8,6 +8,7 @@ tokens do not depend on which other requests share the batch.
 from __future__ import annotations
 
 import torch
+
 from volundr.sequence import Sequence
 
 

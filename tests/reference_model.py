@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from volundr.config import VolundrConfig
 from volundr.kernels.kda.naive import naive_recurrent_kda
 

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from reference_model import reference_logits
+
 from volundr.block_manager import BlockManager, StateSlots
 from volundr.converter.presets import get_config, random_state_dict
 from volundr.engine import EngineConfig, LLMEngine

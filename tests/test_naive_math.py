@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
 from volundr.kernels.kda.naive import (
     kda_gate,

@@ -28,6 +28,10 @@ class ForwardBatch:
     # Precomputed input embeddings (images): rows of the packed batch to overwrite, and values.
     embed_positions: torch.Tensor | None = None  # [E] long
     embeds: torch.Tensor | None = None           # [E, hidden]
+    # Host lookups done ahead of the forward (VolundrForCausalLM.gather_inputs), so that the
+    # forward itself is pure device work (CUDA-graph capturable).
+    inputs_embeds: torch.Tensor | None = None    # [T, hidden], device
+    engram_embeds: dict[int, torch.Tensor] | None = None  # layer -> [T, tables * dim], device
 
     @property
     def num_seqs(self) -> int:

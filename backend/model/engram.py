@@ -16,6 +16,7 @@ import math
 
 import torch
 from torch import nn
+
 from volundr import ops
 from volundr.config import EngramConfig, VolundrConfig
 from volundr.model.batch import ForwardBatch
@@ -71,8 +72,8 @@ class Engram(nn.Module):
             e = e.pin_memory().to(device, non_blocking=True)
         return e.to(device=device, dtype=dtype)
 
-    def forward(self, h: torch.Tensor, b: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
-        e = self.gather(rows, h.device, h.dtype)
+    def forward(self, h: torch.Tensor, b: ForwardBatch, e: torch.Tensor) -> torch.Tensor:
+        """h [T, d]; e [T, tables * dim], the rows gathered by `gather` ahead of the forward."""
         k, v = self.k_proj(e), self.v_proj(e)
         score = (self.h_norm(h).float() * self.k_norm(k).float()).sum(-1, keepdim=True)
         u = (torch.sigmoid(score * self.inv_sqrt_d) * v.float()).to(h.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from volundr import ops
 
 

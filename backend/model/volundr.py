@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from volundr.config import VolundrConfig
 from volundr.model.attention import Attention
 from volundr.model.batch import ForwardBatch
@@ -32,9 +33,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.engram = Engram(cfg) if engram else None
 
-    def forward(self, h: torch.Tensor, b: ForwardBatch, rows: torch.Tensor | None):
+    def forward(self, h: torch.Tensor, b: ForwardBatch, layer_idx: int | None = None):
         if self.engram is not None:
-            h = self.engram(h, b, rows)
+            h = self.engram(h, b, b.engram_embeds[layer_idx])
         mixer = self.self_attn if hasattr(self, "self_attn") else self.kda
         out = mixer(self.input_layernorm(h), b)
         x, h = self.post_attention_layernorm(out, residual=h)  # h += out; x = norm(h)
@@ -53,7 +54,7 @@ class MTPBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, b: ForwardBatch):
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self.layer(x, b, None)
+        return self.layer(x, b)
 
 
 class VolundrModel(nn.Module):
@@ -82,9 +83,13 @@ class VolundrForCausalLM(nn.Module):
                       for j in range(self.cfg.engram.num_tables)]
         return names
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], pin: bool = False) -> None:
-        """Host tables go to host memory (pinned for fast copies); the rest into parameters."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor], device: torch.device,
+                     dtype: torch.dtype) -> None:
+        """Host tables go to host memory (pinned on CUDA, for fast copies); the rest becomes
+        the parameters, assigned (not copied) so a model built on `meta` never holds two copies.
+        Tensors already of the right dtype stay as they are (e.g. fp32 A_log is cast)."""
         sd = dict(state_dict)
+        pin = device.type == "cuda"
 
         def host(t: torch.Tensor) -> torch.Tensor:
             t = t.to("cpu")
@@ -97,7 +102,11 @@ class VolundrForCausalLM(nn.Module):
                           for j in range(self.cfg.engram.num_tables)]
         if self.cfg.tie_word_embeddings:
             sd["lm_head.weight"] = self.embed_tokens
-        self.load_state_dict(sd, strict=True)
+        own = dict(self.named_parameters())
+        for name, t in sd.items():
+            if name in own and t.is_floating_point():
+                sd[name] = t.to(device=device, dtype=dtype)
+        self.load_state_dict(sd, strict=True, assign=True)
 
     # ---- forward ------------------------------------------------------------------------
     def embed(self, ids_host: torch.Tensor, device: torch.device, dtype: torch.dtype):
@@ -107,16 +116,27 @@ class VolundrForCausalLM(nn.Module):
             e = e.pin_memory().to(device, non_blocking=True)
         return e.to(device=device, dtype=dtype)
 
-    def forward(self, b: ForwardBatch) -> torch.Tensor:
-        """Hidden states of every token before the final norm, [T, d]."""
+    def gather_inputs(self, b: ForwardBatch) -> None:
+        """Host-side lookups of a step: embedding rows and Engram rows, copied to the device
+        into b.inputs_embeds / b.engram_embeds (overwrites image positions with b.embeds)."""
         # Norm weights are never quantized: they carry the compute dtype and device.
         dtype, device = self.model.norm.weight.dtype, self.model.norm.weight.device
         h = self.embed(b.ngram_ids[:, -1], device, dtype)
         if b.embed_positions is not None:
             h[b.embed_positions] = b.embeds.to(h.dtype)
-        rows = engram_rows(b.ngram_ids, self.cfg.engram) if self.cfg.engram.layers else None
-        for layer in self.model.layers:
-            h = layer(h, b, rows)
+        b.inputs_embeds = h
+        b.engram_embeds = {}
+        if self.cfg.engram.layers:
+            rows = engram_rows(b.ngram_ids, self.cfg.engram)
+            for i in self.cfg.engram.layers:
+                b.engram_embeds[i] = self.model.layers[i].engram.gather(rows, device, dtype)
+
+    def forward(self, b: ForwardBatch) -> torch.Tensor:
+        """Hidden states of every token before the final norm, [T, d]. Device work only:
+        `gather_inputs(b)` must have run."""
+        h = b.inputs_embeds
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, b, i)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
