@@ -8,6 +8,8 @@ Caches, allocated once:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from volundr.config import VolundrConfig
@@ -39,9 +41,14 @@ class ModelRunner:
         if cuda_graphs and device.type == "cuda":
             from volundr.cuda_graph import CUDAGraphRunner
 
-            self.graphs = CUDAGraphRunner(
-                self.model, device, dtype, num_slots, -(-max_model_len // block_size),
-                max_model_len, scratch_slot=num_slots)
+            try:
+                self.graphs = CUDAGraphRunner(
+                    self.model, device, dtype, num_slots, -(-max_model_len // block_size),
+                    max_model_len, scratch_slot=num_slots)
+            except RuntimeError as e:  # an op without a capturable kernel: run eagerly
+                warnings.warn(f"CUDA graphs disabled, decode runs eagerly: {e}", stacklevel=2)
+                for t in self.states:
+                    t.zero_()
 
     def _allocate_caches(self) -> None:
         # One slot more than the scheduler hands out: the scratch slot of CUDA-graph padding.

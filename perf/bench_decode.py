@@ -1,0 +1,125 @@
+"""End-to-end decode of Volundr-32B with random weights on one GPU (H200).
+
+Measures, in one run: the HBM copy bandwidth; single-stream greedy decode tok/s (eager and with
+CUDA graphs); 16-concurrent decode throughput; and the byte limit = measured bandwidth / bytes
+of GPU weights read per token. bf16 weights, and ~3.2-bit mixed weights when
+volundr.kernels.quant provides `random_quantized_state_dict`.
+
+    python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed] [--tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import torch
+
+from volundr.converter.presets import get_config, random_state_dict
+from volundr.engine import EngineConfig, LLMEngine
+from volundr.sampling_params import SamplingParams
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy, bytes read + written per second (the HBM ceiling)."""
+    n = int(gib * 2**30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 2 * reps / (time.perf_counter() - t)
+
+
+def gpu_weight_bytes(engine: LLMEngine) -> int:
+    m = engine.runner.model
+    seen = 0
+    for t in list(m.parameters()) + list(m.buffers()):
+        if t.is_cuda:
+            seen += t.numel() * t.element_size()
+    if m.mtp is not None:  # the MTP block is not read by a plain decode step
+        seen -= sum(t.numel() * t.element_size() for t in
+                    list(m.mtp.parameters()) + list(m.mtp.buffers()) if t.is_cuda)
+    return seen
+
+
+def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> dict:
+    """tok/s over the decode steps only (prefill excluded), `batch` requests at once."""
+    p = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        ids = torch.randint(16, engine.cfg.vocab_size, (prompt_len,), generator=g).tolist()
+        engine.add_request(ids, p, f"b{batch}-{i}")
+    steps, t0, n = 0, None, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        if t0 is None and outs and all(o.num_output_tokens >= 1 for o in outs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()  # all prefills done: time decode only
+            continue
+        if t0 is not None:
+            n += sum(len(o.new_token_ids) for o in outs)
+            steps += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"batch": batch, "prompt_len": prompt_len, "decode_tokens": n, "steps": steps,
+            "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1)}
+
+
+def build(variant: str, graphs: bool, max_num_seqs: int) -> LLMEngine:
+    """Volundr-32B with random weights built straight on the GPU (host tables on the CPU)."""
+    cfg = get_config("volundr-32b" if variant == "bf16" else "volundr-32b-q")
+    if variant == "bf16":
+        sd = random_state_dict(cfg, "cuda", dtype=torch.bfloat16)
+    else:
+        from volundr.kernels.quant import random_quantized_state_dict
+
+        sd = random_quantized_state_dict(cfg, "cuda")
+    ecfg = EngineConfig(device="cuda", dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=2048, max_model_len=4096, block_size=16,
+                        num_kv_blocks=max_num_seqs * 4096 // 16, cuda_graphs=graphs)
+    return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="bf16")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    res = {"commit": commit, "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "hbm_copy_GBps": copy_bandwidth() / 1e9, "runs": []}
+    print(json.dumps(res), flush=True)
+    for variant in args.variants.split(","):
+        t = time.perf_counter()
+        engine = build(variant, True, max_num_seqs=16)
+        wbytes = gpu_weight_bytes(engine)
+        graphs = engine.runner.graphs
+        for use_graphs in (False, True):
+            engine.runner.graphs = graphs if use_graphs else None
+            entry = {"variant": variant, "cuda_graphs": use_graphs,
+                     "build_s": time.perf_counter() - t, "gpu_weight_GB": wbytes / 1e9,
+                     "byte_limit_tok_per_s": res["hbm_copy_GBps"] * 1e9 / wbytes,
+                     "gpu_mem_peak_GB": torch.cuda.max_memory_allocated() / 1e9}
+            decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
+            entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
+            entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
+            res["runs"].append(entry)
+            print(json.dumps(entry), flush=True)
+        del engine, graphs
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
