@@ -1,0 +1,210 @@
+"""Chat prompts: render a checkpoint's Jinja chat template, and parse tool calls back out.
+
+`render_chat` works like Hugging Face's `apply_chat_template` (sandboxed Jinja, `tojson`,
+`raise_exception`, trim_blocks/lstrip_blocks) after validating OpenAI-style messages: each a dict
+with role system|user|assistant|tool and string content (or a list of text parts, joined with
+newlines). Bad input raises ValueError with a message fit for a 400 response.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def load_chat_template(model_dir: str | Path) -> str:
+    """The chat template of a checkpoint: tokenizer_config.json's `chat_template` (a string, or
+    a list of {name, template} where "default" is taken), else chat_template.jinja."""
+    d = Path(model_dir)
+    cfg_path = d / "tokenizer_config.json"
+    if cfg_path.exists():
+        try:
+            tpl = json.loads(cfg_path.read_text(encoding="utf-8")).get("chat_template")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+        if isinstance(tpl, list):
+            named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+            tpl = named.get("default")
+        if isinstance(tpl, str) and tpl:
+            return tpl
+    jinja = d / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    raise ValueError(f"{d}: no chat template (tokenizer_config.json has no chat_template and "
+                     "there is no chat_template.jinja)")
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ValueError(f"chat template does not compile: {e}") from None
+
+
+def _content(i: int, m: dict, allow_none: bool) -> str | None:
+    c = m.get("content")
+    if c is None:
+        if allow_none:
+            return None
+        raise ValueError(f"messages[{i}] ({m['role']}): content is required")
+    if isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise ValueError(f"messages[{i}]: content must be a string or a list of parts, "
+                         f"not {type(c).__name__}")
+    texts = []
+    for j, part in enumerate(c):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "image", "input_image"):
+            raise ValueError(f"messages[{i}].content[{j}]: image input is not supported by this "
+                             "model server yet; send text only")
+        else:
+            raise ValueError(f"messages[{i}].content[{j}]: expected a part "
+                             "{\"type\": \"text\", \"text\": \"...\"}")
+    return "\n".join(texts)
+
+
+def _tool_call(i: int, j: int, call: Any) -> dict:
+    """Normalise an OpenAI tool call ({type, id, function: {name, arguments: str}}) or a bare
+    {name, arguments} to {"name", "arguments": dict}."""
+    f = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+        raise ValueError(f"messages[{i}].tool_calls[{j}]: needs function.name")
+    args = f.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"messages[{i}].tool_calls[{j}]: arguments are not valid JSON "
+                             f"({e})") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"messages[{i}].tool_calls[{j}]: arguments must be a JSON object")
+    return {"name": f["name"], "arguments": args}
+
+
+def validate_messages(messages: Any) -> list[dict]:
+    """Checked, normalised copies of OpenAI-style chat messages (content as a string)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of "
+                             f"{', '.join(ROLES)}")
+        calls = m.get("tool_calls") or []
+        if calls and role != "assistant":
+            raise ValueError(f"messages[{i}]: only assistant messages may have tool_calls")
+        if not isinstance(calls, list):
+            raise ValueError(f"messages[{i}]: tool_calls must be a list")
+        content = _content(i, m, allow_none=role == "assistant")
+        n = {"role": role, "content": content if content is not None else ""}
+        if calls:
+            n["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(calls)]
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                n[key] = m[key]
+        out.append(n)
+    return out
+
+
+def validate_tools(tools: Any) -> list[dict] | None:
+    """OpenAI function tools as {"type": "function", "function": {...}} (bare functions too)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list of function definitions")
+    out = []
+    for i, t in enumerate(tools):
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"parameters\": {...}}}")
+        if isinstance(t, dict) and t.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}]: unsupported tool type {t.get('type')!r}")
+        out.append({"type": "function", "function": f})
+    return out or None
+
+
+def render_chat(template: str, messages: list[dict], tools: list | None = None,
+                add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    """The prompt text for `messages` (extra template variables, e.g. enable_thinking=False,
+    go through **kwargs)."""
+    msgs = validate_messages(messages)
+    tl = validate_tools(tools)
+    from jinja2 import TemplateError
+
+    try:
+        return _compile(template).render(messages=msgs, tools=tl,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    except TemplateError as e:
+        raise ValueError(f"chat template failed: {e}") from None
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """(text without the tool-call blocks, [{"name", "arguments": dict}, ...]).
+
+    A block whose body is not a JSON object with a string "name" stays in the text unchanged,
+    so nothing the model wrote is lost; so does an unterminated <tool_call>.
+    """
+    calls: list[dict] = []
+
+    def take(m: re.Match) -> str:
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return m.group(0)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return m.group(0)
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return m.group(0)
+        if not isinstance(args, dict):
+            return m.group(0)
+        calls.append({"name": obj["name"], "arguments": args})
+        return ""
+
+    rest = _TOOL_CALL.sub(take, text)
+    return (rest.strip() if calls else rest), calls
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning inside a leading <think>...</think>, or None; the rest of the text)."""
+    m = _THINK.match(text)
+    if m is None:
+        return None, text
+    return m.group(1).strip("\n"), text[m.end():]

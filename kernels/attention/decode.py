@@ -1,0 +1,187 @@
+"""Paged decode attention, flash-decoding style: one new token per sequence.
+
+Kernel 1 splits every sequence's KV length into `num_splits` chunks; program (n, kvh, split)
+reads each K/V row of its chunk once and uses it for all GROUP query heads of that KV head: the
+group is the M dimension of the two tl.dot's (padded to G_PAD >= 16). It writes the chunk's
+normalised partial output and its log-sum-exp. Kernel 2 merges the chunks per (n, head). With one
+split, kernel 1 writes the final output directly and kernel 2 is skipped.
+
+The split count depends only on host ints (batch size, max_context_len, SM count), never on
+device values, so the path does no host sync and is CUDA-graph capturable. Each sequence cuts
+its own context into num_splits equal chunks on the device (at least min_split tokens each), so
+a long sequence in a ragged batch, or a graph captured with max_context_len = max_model_len,
+still spreads over all programs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 256  # the merge holds all of a head's splits in one [S_PAD, BLOCK_D] tile
+MIN_SPLIT = 256  # tokens
+
+
+@triton.jit
+def _split_len(ctx, num_splits, gran, min_split):
+    """Tokens per split of one sequence: ctx / num_splits rounded up to gran, >= min_split."""
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), gran) * gran, min_split)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, opart_ptr, lse_ptr, o_ptr,
+    scale_log2, num_splits, min_split,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+):
+    n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    q_idx = tl.load(cu_ptr + n)
+    q_len = tl.load(cu_ptr + n + 1) - q_idx
+    ctx = tl.load(ctx_ptr + n)
+    split_len = _split_len(ctx, num_splits, BLOCK_N, min_split)
+    start = sp * split_len
+    if (q_len == 0) | (start >= ctx):  # nothing to do; the merge masks this split out
+        return
+    end = tl.minimum(start + split_len, ctx)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    heads = kvh * GROUP + offs_g
+    gmask = offs_g < GROUP
+    q = tl.load(q_ptr + q_idx.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=gmask[:, None], other=0.0)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    bt_row = bt_ptr + n.to(tl.int64) * stride_bt
+    for s in range(start, end, BLOCK_N):
+        offs_n = s + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        page = tl.load(bt_row + offs_n // BS, mask=nmask, other=0).to(tl.int64)
+        row = offs_n % BS
+        k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks
+                    + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs
+                    + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [G_PAD, BLOCK_N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if DIRECT:  # a single split: this is the final output
+        tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        # partials: opart [N, H, num_splits, D] fp32, lse [N, H, num_splits] (log2 units)
+        row_nh = (n * H + heads).to(tl.int64)
+        tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + offs_d[None, :], out,
+                 mask=gmask[:, None])
+        tl.store(lse_ptr + row_nh * num_splits + sp, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, cu_ptr, ctx_ptr, num_splits, gran,
+                         min_split, stride_ot, stride_oh,
+                         H: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (n, h, d-chunk): o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    q_idx = tl.load(cu_ptr + n)
+    if tl.load(cu_ptr + n + 1) == q_idx:
+        return
+    D = tl.num_programs(2) * BLOCK_D
+    ctx = tl.load(ctx_ptr + n)
+    n_valid = tl.cdiv(ctx, _split_len(ctx, num_splits, gran, min_split))  # the rest: unwritten
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    smask = (offs_s < num_splits) & (offs_s < n_valid)
+    base = (n * H + h).to(tl.int64) * num_splits
+    lse = tl.load(lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(opart_ptr + (base + offs_s[:, None]) * D + offs_d[None, :],
+                   mask=smask[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_splits(batch: int, kvh: int, max_context_len: int, num_sms: int,
+                  programs_per_sm: int = 2, min_split: int = MIN_SPLIT) -> int:
+    """Splits per sequence: one wave of programs that fills the GPU.
+
+    programs_per_sm is how many split programs fit on one SM at once (shared memory of the
+    config). batch * kvh * num_splits <= num_sms * programs_per_sm: a second, mostly empty
+    wave would cost as long as the first. No more splits than max_context_len / min_split:
+    each split writes and re-reads H/kvh * D * 4 bytes of partials.
+    """
+    splits = max(1, (num_sms * programs_per_sm) // max(1, batch * kvh))
+    return max(1, min(splits, MAX_SPLITS, triton.cdiv(max(1, max_context_len), min_split)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, max_context_len: int,
+                           num_splits: int | None = None, block_n: int = 64,
+                           num_warps: int = 4, num_stages: int = 5,
+                           programs_per_sm: int = 2, min_split: int = MIN_SPLIT
+                           ) -> torch.Tensor:
+    """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
+
+    q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
+    cu_seqlens_q [N + 1]; context_lens [N] (including the new token, already stored).
+    The K/V address depends on a block-table load, so Triton's pipeliner spends stages on that
+    indirection: num_stages=3 leaves one K/V buffer (no overlap), 5 gives two (78 KiB of shared
+    memory, two programs per SM). Defaults: the best of a sweep on an H200 (perf/RESULTS.md).
+    """
+    T, H, D = q.shape
+    N = block_tables.shape[0]
+    BS, KVH = k_cache.shape[1], k_cache.shape[2]
+    group = H // KVH
+    o = torch.empty_like(q)
+    if T == 0:
+        return o
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+    if num_splits is None:
+        num_splits = choose_splits(N, KVH, max_context_len, sms, programs_per_sm, min_split)
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    min_split = triton.cdiv(max(1, min_split), block_n) * block_n
+    if num_splits > 1:
+        opart = torch.empty((N, H, num_splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((N, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        opart = lse = o  # unused
+    _decode_split_kernel[(N, KVH, num_splits)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, opart, lse, o,
+        scale * LOG2E, num_splits, min_split,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        H=H, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
+        BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        block_d = 32 if D % 32 == 0 else D
+        _decode_merge_kernel[(N, H, D // block_d)](
+            opart, lse, o, cu_seqlens_q, context_lens, num_splits, block_n, min_split,
+            o.stride(0), o.stride(1), H=H, S_PAD=max(16, triton.next_power_of_2(num_splits)),
+            BLOCK_D=block_d, num_warps=4)
+    return o

@@ -1,0 +1,153 @@
+"""Chat template rendering (roles, tools, tool calls and results, thinking on/off) and parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from volundr.chat import (
+    load_chat_template,
+    parse_tool_calls,
+    render_chat,
+    split_reasoning,
+)
+from volundr.converter.tiny import build_tiny
+from volundr.converter.tokenizer import load_tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    d = build_tiny(tmp_path_factory.mktemp("chat") / "tiny", preset="draft-tiny")
+    return load_chat_template(d)
+
+
+def test_roles_and_generation_prompt(template):
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"}]
+    out = render_chat(template, msgs)
+    assert out == ("<|im_start|>system\nYou are terse.<|im_end|>\n"
+                   "<|im_start|>user\nHi<|im_end|>\n"
+                   "<|im_start|>assistant\nHello.<|im_end|>\n"
+                   "<|im_start|>user\nBye<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+    assert not render_chat(template, msgs, add_generation_prompt=False).endswith(
+        "<|im_start|>assistant\n")
+
+
+def test_enable_thinking(template):
+    msgs = [{"role": "user", "content": "2+2?"}]
+    on = render_chat(template, msgs)
+    off = render_chat(template, msgs, enable_thinking=False)
+    assert on == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert off == on + "<think>\n\n</think>\n\n"
+    assert render_chat(template, msgs, enable_thinking=True) == on
+
+
+def test_tools_tool_calls_and_results(template):
+    msgs = [{"role": "system", "content": "Be helpful."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": -3}'}]
+    out = render_chat(template, msgs, tools=[WEATHER])
+    system = out.split("<|im_end|>\n")[0]
+    assert system.startswith("<|im_start|>system\nBe helpful.\n\n# Tools")
+    assert json.dumps(WEATHER, ensure_ascii=False) in system
+    assert '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>' \
+        in system
+    assert ('<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "Oslo"}}</tool_call><|im_end|>\n') in out
+    assert "<|im_start|>tool\n<tool_response>\n{\"temp\": -3}\n</tool_response><|im_end|>\n" in out
+    assert out.endswith("<|im_start|>assistant\n")
+    # tools without a system message still get a system turn
+    out2 = render_chat(template, msgs[1:2], tools=[WEATHER["function"]])
+    assert out2.startswith("<|im_start|>system\n# Tools\n")
+
+
+def test_tokenizes_specials_as_single_ids(template):
+    tok = load_tokenizer()
+    text = render_chat(template, [{"role": "user", "content": "hi"}], enable_thinking=False)
+    ids = tok.encode(text).ids
+    for s in ("<|im_start|>", "<|im_end|>", "<think>", "</think>"):
+        assert tok.token_to_id(s) in ids
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_content_parts_and_reasoning(template):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "ok", "reasoning_content": "thinking..."}]
+    out = render_chat(template, msgs, add_generation_prompt=False)
+    assert "<|im_start|>user\na\nb<|im_end|>" in out
+    assert "<|im_start|>assistant\n<think>\nthinking...\n</think>\n\nok<|im_end|>" in out
+    # reasoning of turns before the last user message is dropped
+    out = render_chat(template, msgs + [{"role": "user", "content": "more"}])
+    assert "thinking" not in out
+
+
+@pytest.mark.parametrize("msgs, match", [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    (["hi"], r"messages\[0\] must be an object"),
+    ([{"role": "robot", "content": "x"}], "unknown role 'robot'"),
+    ([{"role": "user"}], r"messages\[0\] \(user\): content is required"),
+    ([{"role": "user", "content": 5}], "string or a list of parts"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "image input is not supported"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], "expected a part"),
+    ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+     "only assistant messages"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+     "needs function.name"),
+    ([{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}], "not valid JSON"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
+     "system message must be the first"),
+])
+def test_bad_messages(template, msgs, match):
+    with pytest.raises(ValueError, match=match):
+        render_chat(template, msgs)
+
+
+def test_bad_tools_and_template(template):
+    with pytest.raises(ValueError, match="tools must be a list"):
+        render_chat(template, [{"role": "user", "content": "x"}], tools={"name": "f"})
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        render_chat(template, [{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        render_chat("{% for %}", [{"role": "user", "content": "x"}])
+
+
+def test_load_chat_template_errors(tmp_path):
+    with pytest.raises(ValueError, match="no chat template"):
+        load_chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    assert load_chat_template(tmp_path) == "{{ messages[0].content }}"
+
+
+def test_parse_tool_calls():
+    text = ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>\n<tool_call>\n{"name": "now", "arguments": "{}"}\n</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                     {"name": "now", "arguments": {}}]
+    # malformed and unterminated calls stay in the text
+    bad = 'x <tool_call>{"name": oops}</tool_call> <tool_call>{"name": "f"'
+    assert parse_tool_calls(bad) == (bad, [])
+    assert parse_tool_calls("plain answer") == ("plain answer", [])
+
+
+def test_split_reasoning():
+    assert split_reasoning("<think>\nhmm\n</think>\n\nAnswer") == ("hmm", "Answer")
+    assert split_reasoning("Answer") == (None, "Answer")
+    assert split_reasoning("<think>unfinished") == (None, "<think>unfinished")

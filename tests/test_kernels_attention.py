@@ -1,0 +1,183 @@
+"""Paged attention / KV store Triton kernels == naive references on fresh random inputs.
+
+CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (this file run as a script), so
+the variable never reaches other test modules. The interpreter computes bf16 tl.dot on the raw
+uint16 bits (Triton 3.6), so CPU attention checks use fp16/fp32, which run the same kernel code;
+bf16 is checked on CUDA at Volundr-32B shapes (40 q heads, 2 KV heads, head_dim 128).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
+
+CUDA = torch.cuda.is_available()
+
+
+def make_paged(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, gen):
+    """Random ragged batch over a paged cache with shuffled (non-contiguous) block tables."""
+    N = len(q_lens)
+    nblk = [(c + BS - 1) // BS for c in ctx_lens]
+    max_blocks = max(nblk) + 1
+    num_blocks = sum(nblk) + 7
+    kc = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(dtype).to(device)
+    vc = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(dtype).to(device)
+    perm = torch.randperm(num_blocks, generator=gen)
+    bt = torch.full((N, max_blocks), -1, dtype=torch.int32)  # unused entries: never read
+    i = 0
+    for n, b in enumerate(nblk):
+        bt[n, :b] = perm[i:i + b].int()
+        i += b
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), H, D, generator=gen).to(dtype).to(device)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    return q, kc, vc, bt.to(device), cu.to(device), ctx.to(device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite output (unwritten or NaN)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def check_attention(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, seed, **kw) -> None:
+    from volundr.kernels.attention.decode import paged_decode_attention
+    from volundr.kernels.attention.engine import paged_attention
+    from volundr.kernels.attention.prefill import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    q, kc, vc, bt, cu, ctx = make_paged(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, gen)
+    scale = D ** -0.5
+    ref = naive_paged_attention(q, kc, vc, bt, cu, ctx, scale)
+    # max_context_len may exceed every context (a CUDA graph captured at max_model_len)
+    mq, mc = max(q_lens), kw.pop("max_context_len", max(ctx_lens))
+    if kw.pop("decode", False):
+        out = paged_decode_attention(q, kc, vc, bt, cu, ctx, scale, mc, **kw)
+    elif kw:
+        out = paged_prefill_attention(q, kc, vc, bt, cu, ctx, scale, mq, **kw)
+    else:
+        out = paged_attention(q, kc, vc, bt, cu, ctx, scale, mq, mc)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed={seed} q_lens={q_lens} ctx={ctx_lens} {kw}: rel err {err}"
+
+
+def check_store(T, KVH, D, BS, dtype, device, seed) -> None:
+    from volundr.kernels.attention.engine import store_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    nb = (T + BS - 1) // BS + 3
+    kc = torch.randn(nb, BS, KVH, D, generator=gen).to(dtype).to(device)
+    vc = torch.randn(nb, BS, KVH, D, generator=gen).to(dtype).to(device)
+    # k, v as column slices of one fused projection: strided, like a real qkv split
+    kv = torch.randn(T, 3 * KVH * D, generator=gen).to(dtype).to(device)
+    k = kv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
+    v = kv[:, 2 * KVH * D:].view(T, KVH, D)
+    slots = torch.randperm(nb * BS, generator=gen)[:T].int()
+    slots[torch.randperm(T, generator=gen)[: max(1, T // 5)]] = -1  # padding tokens
+    slots = slots.to(device)
+    kc2, vc2 = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, slots)
+    naive_store_kv(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"seed={seed}"
+
+
+# Ragged prefixes, partial last blocks, chunked prefill (q_len > 1 over a
+# cached prefix), a decode row inside a prefill batch, an empty sequence.
+# (q_lens, ctx_lens, (H, KVH, D, block_size))
+PREFILL_CASES = [
+    ([5, 1, 7], [9, 3, 7], (4, 2, 32, 4)),
+    ([13, 0, 4, 22], [40, 6, 4, 23], (6, 2, 16, 8)),
+    ([33], [50], (4, 1, 32, 16)),
+]
+# (ctx_lens, q_lens): one new token each; a q_len-0 row. Per sequence, splits of
+# max(ceil(ctx / num_splits) rounded up to block_n, min_split) tokens: some sequences get fewer
+# (non-empty) splits than num_splits.
+DECODE_CASES = [([9, 1, 37, 16], [1, 1, 1, 1]), ([70, 5, 33], [1, 0, 1])]
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def run_cpu(group: str) -> None:
+    """Interpreter checks at small shapes (called in a TRITON_INTERPRET=1 subprocess)."""
+    for dtype in (torch.float16, torch.float32):
+        if group == "prefill":
+            for ql, cl, (H, KVH, D, BS) in PREFILL_CASES:
+                check_attention(ql, cl, H, KVH, D, BS, dtype, "cpu", _seed(),
+                                block_m=16, block_n=8)
+            check_attention([6, 3], [10, 3], 4, 2, 16, 4, dtype, "cpu", _seed())  # via engine
+        elif group == "decode":
+            for cl, ql in DECODE_CASES:
+                for ns in (None, 1, 3):
+                    check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
+                                    num_splits=ns, block_n=8, min_split=8)
+            check_attention([1, 1], [50, 3], 4, 2, 16, 4, dtype, "cpu", _seed(), decode=True,
+                            num_splits=4, block_n=8, min_split=16, max_context_len=1000)
+            check_attention([1, 1], [20, 7], 4, 2, 16, 4, dtype, "cpu", _seed())  # via engine
+        elif group == "store":
+            check_store(23, 2, 16, 4, dtype, "cpu", _seed())
+    if group == "store":
+        check_store(9, 2, 32, 8, torch.bfloat16, "cpu", _seed())
+
+
+@pytest.mark.parametrize("group", ["store", "prefill", "decode"])
+def test_interpreter(group):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# --- CUDA, Volundr-32B shapes: 40 q heads, 2 KV heads, head_dim 128, block_size 16, bf16 ---
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("q_lens,ctx_lens", [
+    ([512], [512]),
+    ([1000, 1, 513, 37], [1000, 4001, 2513, 117]),  # chunked prefill over cached prefixes
+    ([2048, 300], [6000, 300]),
+])
+def test_cuda_prefill(q_lens, ctx_lens):
+    check_attention(q_lens, ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda", _seed())
+
+
+@gpu
+@pytest.mark.parametrize("ctx_lens", [[1], [17, 4096, 33000, 250], [70000], [5] * 16])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_cuda_decode(ctx_lens, num_splits):
+    check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
+                    _seed(), decode=True, num_splits=num_splits)
+
+
+@gpu
+@pytest.mark.parametrize("ctx_lens", [[40, 3000, 70000], [300] * 8])
+def test_cuda_decode_graph_sized(ctx_lens):
+    """Splits sized for max_model_len (as a captured CUDA graph is) on shorter contexts."""
+    check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
+                    _seed(), decode=True, max_context_len=262144)
+
+
+@gpu
+def test_cuda_decode_via_engine():
+    check_attention([1, 0, 1], [3000, 40, 129], 40, 2, 128, 16, torch.bfloat16, "cuda", _seed())
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 16, 777])
+def test_cuda_store(T):
+    check_store(T, 2, 128, 16, torch.bfloat16, "cuda", _seed())
+
+
+if __name__ == "__main__":
+    run_cpu(sys.argv[1])

@@ -1,0 +1,107 @@
+"""Fused RMSNorm (+ residual) and SwiGLU Triton kernels == naive references, fresh random inputs.
+
+CPU: TRITON_INTERPRET=1 in a subprocess (this file run as a script), so the variable never
+reaches other test modules. The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to
+nearest even), so bf16 on the CPU is held to 1-2 bf16 ulps, and exact equality of the residual
+sum is checked on CUDA and for fp16/fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
+
+CUDA = torch.cuda.is_available()
+# max |out - ref| / max(1, |ref|): 2 ulps of the output dtype (rounding of fp32 math)
+ULP2 = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype, msg: str) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape, msg
+    o, r = out.double(), ref.double()
+    assert torch.isfinite(o).all(), msg
+    if o.numel() == 0:
+        return
+    err = ((o - r).abs() / r.abs().clamp_min(1.0)).max().item()
+    assert err <= ULP2[dtype], f"{msg}: err {err}"
+
+
+def check_rms_norm(shape, dtype, device, seed, residual: bool, exact_sum: bool) -> None:
+    from volundr.kernels.norm.engine import rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    w = (torch.randn(shape[-1], generator=g) + 1).to(dtype).to(device)
+    msg = f"seed={seed} shape={shape} {dtype}"
+    if not residual:
+        _close(rms_norm(x, w, 1e-6), naive_rms_norm(x, w, 1e-6), dtype, msg)
+        return
+    r = torch.randn(shape, generator=g).to(dtype).to(device)
+    y, s = rms_norm(x, w, 1e-6, r)
+    yr, sr = naive_rms_norm(x, w, 1e-6, r)
+    if exact_sum:
+        assert torch.equal(s, sr), msg
+    else:
+        _close(s, sr, dtype, msg)
+    _close(y, yr, dtype, msg)
+
+
+def check_swiglu(rows, cols, dtype, device, seed) -> None:
+    from volundr.kernels.norm.engine import swiglu
+
+    g = torch.Generator().manual_seed(seed)
+    # the halves of one fused gate_up projection: strided views, as the MLP may pass them
+    gu = (torch.randn(rows, 2 * cols, generator=g) * 4).to(dtype).to(device)
+    gate, up = gu[:, :cols], gu[:, cols:]
+    _close(swiglu(gate, up), naive_swiglu(gate, up), dtype, f"seed={seed} {rows}x{cols}")
+    x = torch.randn(3, rows, cols, generator=g).to(dtype).to(device)
+    _close(swiglu(x, x * 0.5), naive_swiglu(x, x * 0.5), dtype, f"seed={seed} 3d")
+
+
+CPU_NORM_SHAPES = [(7, 96), (3, 4, 128), (5, 300), (0, 64)]
+
+
+def run_cpu() -> None:
+    """Interpreter checks at small shapes (called in a TRITON_INTERPRET=1 subprocess)."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for shape in CPU_NORM_SHAPES:
+            for res in (False, True):
+                check_rms_norm(shape, dtype, "cpu", _seed(), res, dtype != torch.bfloat16)
+        check_swiglu(5, 200, dtype, "cpu", _seed())
+
+
+def test_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1, 5120), (1000, 5120), (333, 40, 128), (17, 2048)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_cuda_rms_norm(shape, residual):
+    check_rms_norm(shape, torch.bfloat16, "cuda", _seed(), residual, exact_sum=True)
+
+
+@gpu
+@pytest.mark.parametrize("rows,cols", [(1, 17408), (512, 17408), (37, 3072)])
+def test_cuda_swiglu(rows, cols):
+    check_swiglu(rows, cols, torch.bfloat16, "cuda", _seed())
+
+
+if __name__ == "__main__":
+    run_cpu()
