@@ -9,6 +9,7 @@ import torch
 
 from volundr.block_manager import BlockManager, StateSlots
 from volundr.config import VolundrConfig
+from volundr.distributed import TensorParallelRunner, WorkerError
 from volundr.model_runner import ModelRunner
 from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
@@ -26,10 +27,11 @@ class EngineConfig:
     num_kv_blocks: int = 0
     seed: int = 0
     cuda_graphs: bool = True  # capture the decode step on CUDA
+    tensor_parallel_size: int = 1  # ranks (devices), one process each: volundr.distributed
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "num_kv_blocks"):
+                     "num_kv_blocks", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
@@ -53,9 +55,15 @@ class LLMEngine:
                  ecfg: EngineConfig, eos_token_ids: tuple[int, ...]):
         self.cfg, self.ecfg = cfg, ecfg
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
-                                  ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
-                                  ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs)
+        if ecfg.tensor_parallel_size > 1:
+            self.runner = TensorParallelRunner(
+                cfg, state_dict, torch.device(ecfg.device), ecfg.dtype, ecfg.max_num_seqs,
+                ecfg.num_kv_blocks, ecfg.block_size, ecfg.seed, ecfg.max_model_len,
+                tp=ecfg.tensor_parallel_size)
+        else:
+            self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
+                                      ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
+                                      ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs)
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
@@ -64,6 +72,8 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.check()  # WorkerError once a rank is gone
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty")
@@ -94,7 +104,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        tokens = self.runner.run(batch)
+        try:
+            tokens = self.runner.run(batch)
+        except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
+            for rid in list(self.requests):
+                self.abort(rid)
+            raise
         return self._postprocess(batch, tokens)
 
     def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int]) -> list[RequestOutput]:
@@ -123,6 +138,11 @@ class LLMEngine:
             outs.append(RequestOutput(seq.request_id, new, reason is not None, reason,
                                       seq.num_prompt_tokens, seq.num_output_tokens))
         return outs
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (a no-op on one device); also runs at exit."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
 
     def stats(self) -> dict[str, int]:
         return {

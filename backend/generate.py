@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--gpu-gib", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: GPUs cuda:0..N-1 (or N CPU processes)")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt")
     args = ap.parse_args(argv)
     try:
@@ -36,13 +38,17 @@ def main(argv: list[str] | None = None) -> int:
                                 seed=args.seed, ignore_eos=args.ignore_eos)
     except ValueError as e:
         ap.error(str(e))
+    if args.tp < 1:
+        ap.error("--tp must be >= 1")
+    from volundr.distributed import WorkerError
     from volundr.llm import LLM
 
     try:
-        llm = LLM(args.model, device=args.device, gpu_gib=args.gpu_gib,
-                  max_num_seqs=max(1, len(args.prompt)), max_model_len=args.max_model_len)
-        results = llm.generate(args.prompt, params)
-    except (ValueError, FileNotFoundError) as e:
+        with LLM(args.model, device=args.device, gpu_gib=args.gpu_gib,
+                 max_num_seqs=max(1, len(args.prompt)), max_model_len=args.max_model_len,
+                 tensor_parallel_size=args.tp) as llm:
+            results = llm.generate(args.prompt, params)
+    except (ValueError, FileNotFoundError, WorkerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for r in results:

@@ -14,9 +14,11 @@ from volundr.sampling_params import SamplingParams
 
 
 def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num_seqs: int,
-                       max_num_batched_tokens: int, max_model_len: int, block_size: int) -> int:
-    """KV pool size: on CUDA what the memory plan leaves for KV under the budget; on the CPU
-    room for every sequence at full length."""
+                       max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                       tp: int = 1) -> int:
+    """KV pool size: on CUDA what the memory plan leaves for KV under the budget (per GPU:
+    with tensor parallelism the plan of one rank's share, `gpu_gib` on each of the tp GPUs);
+    on the CPU room for every sequence at full length."""
     per_seq = (max_model_len + block_size - 1) // block_size
     if device.type != "cuda":
         return max_num_seqs * per_seq
@@ -25,7 +27,9 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
     if gpu_gib is None:
         free, _ = torch.cuda.mem_get_info(device)
         gpu_gib = 0.9 * free / 2**30
-    plan = plan_memory(cfg, gpu_gib, max_num_seqs=max_num_seqs,
+    from volundr.model.parallel import rank_config
+
+    plan = plan_memory(rank_config(cfg, tp), gpu_gib, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens)
     if not plan.fits:
         raise ValueError(f"the model does not fit a {gpu_gib:.1f} GiB GPU budget:\n"
@@ -38,7 +42,12 @@ class LLM:
                  dtype: torch.dtype | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  block_size: int = 16, gpu_gib: float | None = None,
-                 num_kv_blocks: int | None = None, seed: int = 0):
+                 num_kv_blocks: int | None = None, seed: int = 0,
+                 tensor_parallel_size: int = 1):
+        """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
+        processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
+        they also stop at exit. Scripts must guard their entry point with
+        `if __name__ == "__main__":` (the workers are spawned)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
@@ -53,13 +62,24 @@ class LLM:
         if num_kv_blocks is None:
             num_kv_blocks = _default_kv_blocks(cfg, dev, gpu_gib, max_num_seqs,
                                                max_num_batched_tokens, self.max_model_len,
-                                               block_size)
+                                               block_size, tensor_parallel_size)
         ecfg = EngineConfig(device=str(dev), dtype=dtype, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=block_size,
-                            num_kv_blocks=num_kv_blocks, seed=seed)
+                            num_kv_blocks=num_kv_blocks, seed=seed,
+                            tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
         del state_dict
+
+    def close(self) -> None:
+        """Stops tensor-parallel workers (a no-op on one device)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _eos_ids(self, cfg) -> tuple[int, ...]:
         ids = list(cfg.eos_token_id)

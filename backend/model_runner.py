@@ -14,6 +14,7 @@ import torch
 
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
+from volundr.model.parallel import TP, local_kv_heads
 from volundr.sampler import Sampler
 from volundr.scheduler import ScheduledSeq
 
@@ -22,23 +23,27 @@ class ModelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
                  block_size: int, seed: int = 0, max_model_len: int = 2048,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1):
+        """With tp_size > 1 (volundr.distributed) `state_dict` is this rank's shard
+        (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_model_len = max_model_len
         with torch.device("meta"):
-            model = VolundrForCausalLM(cfg)
+            model = VolundrForCausalLM(cfg, self.tp)
         if cfg.quantization is not None:
             from volundr.model.quant_linear import apply_quantization
 
             state_dict = dict(state_dict)
             apply_quantization(model, cfg, state_dict)
-        model.load_weights(state_dict, device, dtype)
+        # TP ranks share the host tables (one copy in shared memory): no per-rank pinned copy.
+        model.load_weights(state_dict, device, dtype, pin_host=tp_size == 1)
         self.model = model.eval()
         self.sampler = Sampler(device, seed)
         self._allocate_caches()
         self.graphs = None
-        if cuda_graphs and device.type == "cuda":
+        if cuda_graphs and device.type == "cuda" and tp_size == 1:  # TP decode runs eagerly
             from volundr.cuda_graph import CUDAGraphRunner
 
             try:
@@ -53,8 +58,9 @@ class ModelRunner:
     def _allocate_caches(self) -> None:
         # One slot more than the scheduler hands out: the scratch slot of CUDA-graph padding.
         cfg, dev, n = self.cfg, self.device, self.num_slots + 1
-        kv_shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        k = cfg.kda
+        kv_shape = (self.num_blocks, self.block_size,
+                    local_kv_heads(cfg.num_key_value_heads, self.tp.size), cfg.head_dim)
+        k, kda_heads = cfg.kda, cfg.kda.num_heads // self.tp.size  # this rank's heads
         self.states: list[torch.Tensor] = []  # every per-slot tensor, zeroed on admission
         for layer in self.model.model.layers:
             if layer.engram is not None:
@@ -65,9 +71,9 @@ class ModelRunner:
                 layer.self_attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
                 layer.self_attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
             else:
-                layer.kda.state = torch.zeros(n, k.num_heads, k.head_dim, k.head_dim,
+                layer.kda.state = torch.zeros(n, kda_heads, k.head_dim, k.head_dim,
                                               device=dev, dtype=torch.float32)
-                layer.kda.conv_state = torch.zeros(n, 3 * k.num_heads * k.head_dim,
+                layer.kda.conv_state = torch.zeros(n, 3 * kda_heads * k.head_dim,
                                                    k.conv_size - 1, device=dev, dtype=self.dtype)
                 self.states += [layer.kda.state, layer.kda.conv_state]
         if self.model.mtp is not None:
@@ -135,4 +141,6 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[b.logits_indices])
+        if logits is None:  # a tensor-parallel worker: rank 0 gathered the logits and samples
+            return []
         return self.sampler(logits, sampling)

@@ -8,17 +8,20 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
+from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear, local_kv_heads
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: VolundrConfig):
+    def __init__(self, cfg: VolundrConfig, tp: TP = TP()):
         super().__init__()
         d, self.hd = cfg.hidden_size, cfg.head_dim
-        self.h, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.kvh * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.kvh * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
+        # This rank's heads (all of them at tp == 1); KV heads replicated when tp > Hkv.
+        h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.h, self.kvh = h // tp.size, local_kv_heads(kvh, tp.size)
+        self.q_proj = ColumnParallelLinear(d, h * self.hd, tp)
+        self.k_proj = ColumnParallelLinear(d, self.kvh * tp.size * self.hd, tp)
+        self.v_proj = ColumnParallelLinear(d, self.kvh * tp.size * self.hd, tp)
+        self.o_proj = RowParallelLinear(h * self.hd, d, tp)  # all-reduces
         self.scale = self.hd ** -0.5
         # [num_blocks, block_size, kvh, hd] each, bound by the ModelRunner
         self.k_cache: torch.Tensor | None = None

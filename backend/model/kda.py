@@ -17,32 +17,34 @@ from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.kernels.kda.naive import kda_gate
 from volundr.model.batch import ForwardBatch
+from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
 class KDA(nn.Module):
-    def __init__(self, cfg: VolundrConfig):
+    def __init__(self, cfg: VolundrConfig, tp: TP = TP()):
         super().__init__()
         c = cfg.kda
-        d, self.H, self.K = cfg.hidden_size, c.num_heads, c.head_dim
-        hk, r = self.H * self.K, c.rank
-        self.q_proj = nn.Linear(d, hk, bias=False)
-        self.k_proj = nn.Linear(d, hk, bias=False)
-        self.v_proj = nn.Linear(d, hk, bias=False)
+        # This rank's heads (all at tp == 1): every per-head tensor below is local.
+        d, self.H, self.K = cfg.hidden_size, c.num_heads // tp.size, c.head_dim
+        hk, r, full = self.H * self.K, c.rank, c.num_heads * c.head_dim
+        self.q_proj = ColumnParallelLinear(d, full, tp)
+        self.k_proj = ColumnParallelLinear(d, full, tp)
+        self.v_proj = ColumnParallelLinear(d, full, tp)
         self.q_conv1d = nn.Module()
         self.k_conv1d = nn.Module()
         self.v_conv1d = nn.Module()
         for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             m.weight = nn.Parameter(torch.zeros(hk, c.conv_size))
-        self.f_a_proj = nn.Linear(d, r, bias=False)
-        self.f_b_proj = nn.Linear(r, hk, bias=False)
+        self.f_a_proj = nn.Linear(d, r, bias=False)  # low rank: replicated
+        self.f_b_proj = ColumnParallelLinear(r, full, tp)
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.dt_bias = nn.Parameter(torch.zeros(hk))
-        self.b_proj = nn.Linear(d, self.H, bias=False)
+        self.b_proj = ColumnParallelLinear(d, c.num_heads, tp)
         self.g_a_proj = nn.Linear(d, r, bias=False)
-        self.g_b_proj = nn.Linear(r, hk, bias=False)
+        self.g_b_proj = ColumnParallelLinear(r, full, tp)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(self.K))
-        self.o_proj = nn.Linear(hk, d, bias=False)
+        self.o_proj = RowParallelLinear(full, d, tp)  # all-reduces
         self.eps = cfg.rms_norm_eps
         # Bound by the ModelRunner: [slots, H, K, V] fp32 and [slots, 3 * H * K, conv - 1].
         self.state: torch.Tensor | None = None

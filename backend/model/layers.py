@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from volundr import ops
+from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -20,13 +21,13 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(SiLU(gate(x)) * up(x))."""
+    """down(SiLU(gate(x)) * up(x)); with tensor parallelism each rank holds intermediate / tp."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TP = TP()):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp)  # all-reduces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -19,19 +19,20 @@ from volundr.model.batch import ForwardBatch
 from volundr.model.engram import Engram, engram_rows
 from volundr.model.kda import KDA
 from volundr.model.layers import MLP, RMSNorm
+from volundr.model.parallel import TP, ParallelLMHead
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: VolundrConfig, attention: bool, engram: bool):
+    def __init__(self, cfg: VolundrConfig, attention: bool, engram: bool, tp: TP = TP()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if attention:
-            self.self_attn = Attention(cfg)
+            self.self_attn = Attention(cfg, tp)
         else:
-            self.kda = KDA(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.engram = Engram(cfg) if engram else None
+            self.kda = KDA(cfg, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.engram = Engram(cfg) if engram else None  # replicated on every rank
 
     def forward(self, h: torch.Tensor, b: ForwardBatch, layer_idx: int | None = None):
         if self.engram is not None:
@@ -45,12 +46,12 @@ class DecoderLayer(nn.Module):
 class MTPBlock(nn.Module):
     """h' = W_eh [RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)], then one full-attention layer."""
 
-    def __init__(self, cfg: VolundrConfig):
+    def __init__(self, cfg: VolundrConfig, tp: TP = TP()):
         super().__init__()
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layer = DecoderLayer(cfg, attention=True, engram=False)
+        self.layer = DecoderLayer(cfg, attention=True, engram=False, tp=tp)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, b: ForwardBatch):
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
@@ -58,21 +59,23 @@ class MTPBlock(nn.Module):
 
 
 class VolundrModel(nn.Module):
-    def __init__(self, cfg: VolundrConfig):
+    def __init__(self, cfg: VolundrConfig, tp: TP = TP()):
         super().__init__()
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.is_attention(i), i in cfg.engram.layers)
+            DecoderLayer(cfg, cfg.is_attention(i), i in cfg.engram.layers, tp)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class VolundrForCausalLM(nn.Module):
-    def __init__(self, cfg: VolundrConfig):
+    def __init__(self, cfg: VolundrConfig, tp: TP = TP()):
+        """`tp`: this process's tensor-parallel rank (volundr.model.parallel); the weights then
+        take `shard_state_dict(cfg, sd, tp.rank, tp.size)`."""
         super().__init__()
-        self.cfg = cfg
-        self.model = VolundrModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = MTPBlock(cfg) if cfg.mtp.num_layers else None
+        self.cfg, self.tp = cfg, tp
+        self.model = VolundrModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)  # vocab-parallel
+        self.mtp = MTPBlock(cfg, tp) if cfg.mtp.num_layers else None
         self.embed_tokens: torch.Tensor | None = None  # [vocab, hidden] on the host
 
     # ---- weights ------------------------------------------------------------------------
@@ -84,12 +87,13 @@ class VolundrForCausalLM(nn.Module):
         return names
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], device: torch.device,
-                     dtype: torch.dtype) -> None:
-        """Host tables go to host memory (pinned on CUDA, for fast copies); the rest becomes
-        the parameters, assigned (not copied) so a model built on `meta` never holds two copies.
+                     dtype: torch.dtype, pin_host: bool = True) -> None:
+        """Host tables go to host memory (pinned on CUDA unless `pin_host` is False, e.g. tables
+        that tensor-parallel ranks share); the rest becomes the parameters, assigned (not copied)
+        so a model built on `meta` never holds two copies.
         Tensors already of the right dtype stay as they are (e.g. fp32 A_log is cast)."""
         sd = dict(state_dict)
-        pin = device.type == "cuda"
+        pin = pin_host and device.type == "cuda"
 
         def host(t: torch.Tensor) -> torch.Tensor:
             t = t.to("cpu")
@@ -100,8 +104,8 @@ class VolundrForCausalLM(nn.Module):
             eng = self.model.layers[i].engram
             eng.tables = [host(sd.pop(f"model.layers.{i}.engram.tables.{j}"))
                           for j in range(self.cfg.engram.num_tables)]
-        if self.cfg.tie_word_embeddings:
-            sd["lm_head.weight"] = self.embed_tokens
+        if self.cfg.tie_word_embeddings:  # (a TP shard already carries its lm_head rows)
+            sd.setdefault("lm_head.weight", self.embed_tokens)
         own = dict(self.named_parameters())
         for name, t in sd.items():
             if name in own and t.is_floating_point():
@@ -139,9 +143,11 @@ class VolundrForCausalLM(nn.Module):
             h = layer(h, b, i)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head of selected hidden states [M, d] -> fp32 logits [M, vocab]."""
-        return self.lm_head(self.model.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Final norm + lm_head of selected hidden states [M, d] -> fp32 logits [M, vocab].
+        With tensor parallelism every rank must call it; ranks other than 0 get None."""
+        logits = self.lm_head(self.model.norm(hidden))
+        return None if logits is None else logits.float()
 
     def mtp_logits(self, hidden: torch.Tensor, next_ids_host: torch.Tensor, b: ForwardBatch):
         """MTP draft logits for token i + 2 from hidden of i [T, d] and ids of i + 1 [T]."""
