@@ -36,7 +36,7 @@ class ModelRunner:
             from volundr.model.quant_linear import apply_quantization
 
             state_dict = dict(state_dict)
-            apply_quantization(model, cfg, state_dict)
+            apply_quantization(model, cfg, state_dict, device)
         # TP ranks share the host tables (one copy in shared memory): no per-rank pinned copy.
         model.load_weights(state_dict, device, dtype, pin_host=tp_size == 1)
         self.model = model.eval()

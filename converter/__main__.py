@@ -1,4 +1,4 @@
-"""`python -m volundr.converter {tiny,inspect,corpus,train-tokenizer} ...`"""
+"""`python -m volundr.converter {tiny,inspect,quantize,corpus,train-tokenizer} ...`"""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--max-num-batched-tokens", type=int, default=512)
     i.add_argument("--json", action="store_true", help="print one JSON object")
 
+    from volundr.converter.quantize import add_arguments as quantize_arguments
+
+    quantize_arguments(sub.add_parser("quantize",
+                                      help="write a mixed 2/3/4-bit volundr-mixed checkpoint"))
     sub.add_parser("corpus", help="rewrite converter/data/corpus.txt from corpus.py")
     sub.add_parser("train-tokenizer", help="retrain converter/data/tokenizer.json from the corpus")
 
@@ -43,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "quantize":
+        from volundr.converter.quantize import run as quantize_run
+
+        return quantize_run(args)
     if args.cmd == "corpus":
         from volundr.converter.corpus import build_corpus
         from volundr.converter.tokenizer import CORPUS_PATH

@@ -5,10 +5,12 @@ to a "volundr-mixed" one (format: volundr.model.quant_linear / volundr.kernels.q
    of 32; group G = 128, or less when 128 does not divide in_features) is fitted at 2, 3 and 4
    bits (volundr.kernels.quant.fit: range search + alternating least squares), and its output
    error e_b = ||(W - W_b) X|| / ||W X|| measured on Gaussian X.
-2. Allocate: minimise sum_m numel_m * e_m^2 (size-weighted squared output error) subject to
-   average bits per weight <= target, counting the two bf16 per group (32 / G bits per weight).
-   Greedy: start at 2 bits (lm_head at 4), repeatedly take the one-bit upgrade with the largest
-   error drop per extra bit that still fits the budget.
+2. Allocate: minimise sum_m e_m^2 (each module's relative output error counts alike, as EXL2
+   measures per layer) subject to average bits per weight <= target, counting the two bf16 per
+   group (32 / G bits per weight). Greedy: start at 2 bits (lm_head at 4), repeatedly take the
+   one-bit upgrade with the largest error drop per extra bit (e_b^2 - e_{b+1}^2) / numel that
+   still fits the budget. (Weighting e^2 by numel instead left cheap small modules at 2 bits:
+   on the mid-size random model, 3.2 bits gave logits rel. error 0.39 against 0.35 this way.)
 3. Write OUT_DIR: config.json (the source's, plus quantization_config), model.safetensors
    (quantized linears as X.qweight/X.scales/X.zeros, every other tensor unchanged), the
    tokenizer and generation files, quant_report.json and quant_report.txt (bits and error per
@@ -92,7 +94,7 @@ def measure(cfg: VolundrConfig, sd: dict[str, torch.Tensor], group_size: int, de
 
 
 def allocate(stats: list[ModuleStats], target_bits: float) -> dict[str, int]:
-    """Per-module bits minimising sum numel * err^2 under the average-bits budget."""
+    """Per-module bits minimising sum err^2 under the average-bits budget."""
     bits = {st.name: (4 if st.name == "lm_head" else 2) for st in stats}
     total = sum(st.numel for st in stats)
     used = sum(st.numel * st.cost(bits[st.name]) for st in stats)
@@ -103,7 +105,7 @@ def allocate(stats: list[ModuleStats], target_bits: float) -> dict[str, int]:
             b = bits[st.name]
             if b >= 4 or used + st.numel > budget + 1e-6:
                 continue
-            gain = st.fits[b].error ** 2 - st.fits[b + 1].error ** 2  # per extra bit and weight
+            gain = (st.fits[b].error ** 2 - st.fits[b + 1].error ** 2) / st.numel  # per bit
             if gain > best_gain:
                 best, best_gain = st, gain
         if best is None:

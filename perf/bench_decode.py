@@ -17,8 +17,10 @@ import time
 
 import torch
 
-from volundr.converter.presets import get_config, random_state_dict
+from volundr.converter.presets import get_config, init_tensor, random_state_dict
 from volundr.engine import EngineConfig, LLMEngine
+from volundr.kernels.quant.pack import group_size_for
+from volundr.model.weights import expected_tensors
 from volundr.sampling_params import SamplingParams
 
 
@@ -72,14 +74,37 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
             "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1)}
 
 
+@torch.no_grad()
+def random_quantized_state_dict(cfg, device: str) -> dict[str, torch.Tensor]:
+    """A random volundr-mixed checkpoint: uniform random codes (qweight bytes), scales that give
+    N(0, 1/in)-sized weights, mid-range zeros; loaded through the real repacking path."""
+    bits = cfg.quantization.bits
+    out: dict[str, torch.Tensor] = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, spec in expected_tensors(cfg).items():
+        module = name.removesuffix(".weight")
+        if module not in bits:
+            dev = "cpu" if spec.part in ("embedding", "engram") else device
+            out[name] = init_tensor(name, spec, cfg, 0, dev, torch.bfloat16)
+            continue
+        b, (n, k) = bits[module], spec.shape
+        g = group_size_for(k, cfg.quantization.group_size)
+        out[module + ".qweight"] = torch.randint(0, 256, (n, k * b // 8), generator=gen,
+                                                 device=device, dtype=torch.uint8)
+        scale = 2 * 3 ** 0.5 * k ** -0.5 / (2 ** b - 1)  # uniform codes -> std ~ 1/sqrt(k)
+        out[module + ".scales"] = torch.full((n, k // g), scale, device=device,
+                                             dtype=torch.bfloat16)
+        out[module + ".zeros"] = torch.full((n, k // g), (2 ** b - 1) / 2, device=device,
+                                            dtype=torch.bfloat16)
+    return out
+
+
 def build(variant: str, graphs: bool, max_num_seqs: int) -> LLMEngine:
     """Volundr-32B with random weights built straight on the GPU (host tables on the CPU)."""
     cfg = get_config("volundr-32b" if variant == "bf16" else "volundr-32b-q")
     if variant == "bf16":
         sd = random_state_dict(cfg, "cuda", dtype=torch.bfloat16)
     else:
-        from volundr.kernels.quant import random_quantized_state_dict
-
         sd = random_quantized_state_dict(cfg, "cuda")
     ecfg = EngineConfig(device="cuda", dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=2048, max_model_len=4096, block_size=16,

@@ -1,0 +1,179 @@
+"""Mixed 2/3/4-bit linears: `QuantLinear` and the load-time swap of a model's nn.Linear modules.
+
+A "volundr-mixed" checkpoint (config.json `quantization_config = {"method": "volundr-mixed",
+"group_size": 128, "bits": {module: 2|3|4}}`) stores for each listed linear X, W [out, in]:
+  X.qweight  uint8 [out, in * b / 8]  little-endian bit stream of q along the input dim
+  X.scales   bf16  [out, in / G]      X.zeros  bf16 [out, in / G]
+with W ~= (q - zeros) * scales per group of G inputs (exact definition: volundr.kernels.quant.
+pack). G = `group_size_for(in, group_size)` (128, or min(128, in) for small models); the loader
+reads it back from the scales' shape, so a tensor-parallel shard (fewer inputs) works too.
+
+At load `apply_quantization` repacks every listed module into the kernels' layout (3-bit as a
+2-bit plane plus a 1-bit plane: every load an aligned 32-bit word) and drops its checkpoint
+tensors from the state dict, so the rest loads as before. On CUDA `forward` runs the Triton
+kernels of volundr.kernels.quant.engine; on the CPU (or VOLUNDR_NAIVE=1) the naive reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from volundr import ops
+from volundr.config import VolundrConfig
+from volundr.kernels.quant.naive import dequantize_kernel_layout, naive_quant_matmul
+from volundr.kernels.quant.pack import (
+    group_size_for,
+    pack_scale_zero,
+    plane_bits,
+    to_kernel_layout,
+    unpack_bitstream,
+)
+from volundr.model.parallel import TP, ParallelLMHead, RowParallelLinear, all_reduce
+from volundr.model.weights import expected_tensors
+
+SUFFIXES = ("qweight", "scales", "zeros")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T with W held as (qa, qb, sz) in the kernel layout (non-persistent buffers).
+
+    `parallel` keeps the tensor-parallel semantics of the module it replaces: "row" all-reduces
+    the partial output (RowParallelLinear), "lm_head" gathers the vocab shards on rank 0."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
+                 device: torch.device | str | None = None, parallel: str | None = None,
+                 tp: TP = TP()):
+        super().__init__()
+        pa = plane_bits(bits)
+        if in_features % group_size or group_size % 32:
+            raise ValueError(f"group size {group_size} must be a multiple of 32 dividing "
+                             f"in_features {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        self.parallel, self.tp = parallel, tp
+        n, k = out_features, in_features
+        kw = dict(dtype=torch.int32, device=device)
+        self.register_buffer("qa", torch.zeros(k * pa // 32, n, **kw), persistent=False)
+        self.register_buffer("qb", torch.zeros(k // 32 if bits == 3 else 0, n, **kw),
+                             persistent=False)
+        self.register_buffer("sz", torch.zeros(k // group_size, n, **kw), persistent=False)
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bits: int, **kw) -> QuantLinear:
+        """From q [out, in] (uint8 values) and bf16 scales/zeros [out, in / G]."""
+        n, k = q.shape
+        layer = cls(k, n, bits, k // scales.shape[1], device=q.device, **kw)
+        qa, qb = to_kernel_layout(q, bits, layer.group_size)
+        layer.qa.copy_(qa)
+        layer.qb.copy_(qb)
+        layer.sz.copy_(pack_scale_zero(scales, zeros))
+        return layer
+
+    @classmethod
+    def from_checkpoint(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        bits: int, device: torch.device | str | None = None,
+                        **kw) -> QuantLinear:
+        """From the checkpoint tensors; repacks on `device` (default: qweight's)."""
+        device = qweight.device if device is None else torch.device(device)
+        q = unpack_bitstream(qweight.to(device), bits)
+        return cls.from_quantized(q, scales.to(device), zeros.to(device), bits, **kw)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out, in]."""
+        return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,
+                                        self.in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.qa.device != x.device:  # built on the host (apply_quantization without device)
+            self.to(x.device)
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        fast = ops._fast(x2, "quant")
+        if x2.shape[0] == 0:
+            y = x2.new_empty(0, self.out_features)
+        elif fast is not None:
+            y = fast.quant_matmul(x2, self.qa, self.qb, self.sz, self.bits, self.group_size)
+        else:
+            y = naive_quant_matmul(x2, self.qa, self.qb, self.sz, self.bits, self.group_size,
+                                   self.in_features)
+        y = y.reshape(*shape[:-1], self.out_features)
+        if self.parallel == "row":
+            return all_reduce(y, self.tp)
+        if self.parallel == "lm_head" and self.tp.size > 1:
+            parts = ([torch.empty_like(y) for _ in range(self.tp.size)]
+                     if self.tp.rank == 0 else None)
+            dist.gather(y, parts, dst=0)
+            return torch.cat(parts, dim=-1) if parts is not None else None
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}")
+
+
+def _module_tp(old: nn.Module) -> tuple[str | None, TP]:
+    tp = getattr(old, "tp", TP())
+    if isinstance(old, ParallelLMHead):
+        return "lm_head", tp
+    if isinstance(old, RowParallelLinear):
+        return "row", tp
+    return None, tp
+
+
+def apply_quantization(model: nn.Module, cfg: VolundrConfig,
+                       state_dict: dict[str, torch.Tensor],
+                       device: torch.device | str | None = None) -> None:
+    """Replace each nn.Linear listed in cfg.quantization.bits by a QuantLinear built from the
+    checkpoint's X.qweight / X.scales / X.zeros (popped from `state_dict`), repacked on `device`
+    (default: where the checkpoint tensors are). Raises ValueError naming a missing tensor, a
+    module that is not a linear, or a shape that disagrees with the module."""
+    qc = cfg.quantization
+    if qc is None:
+        return
+    for module, bits in qc.bits.items():
+        names = [f"{module}.{s}" for s in SUFFIXES]
+        missing = [n for n in names if n not in state_dict]
+        if missing:
+            raise ValueError(f"quantized module {module}: missing {', '.join(missing)}")
+        parent_name, _, attr = module.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            old = getattr(parent, attr)
+        except AttributeError:
+            raise ValueError(f"quantized module {module} is not in the model") from None
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"quantized module {module} is a {type(old).__name__}, "
+                             "not a linear")
+        qweight, scales, zeros = (state_dict.pop(n) for n in names)
+        n, k = old.out_features, old.in_features
+        if (tuple(qweight.shape) != (n, k * bits // 8) or scales.shape != zeros.shape
+                or scales.shape[0] != n or scales.shape[1] == 0 or k % scales.shape[1]):
+            raise ValueError(f"{module}: qweight {tuple(qweight.shape)}, scales "
+                             f"{tuple(scales.shape)} do not fit a {bits}-bit [{n}, {k}] linear")
+        parallel, tp = _module_tp(old)
+        new = QuantLinear.from_checkpoint(qweight, scales, zeros, bits, device=device,
+                                          parallel=parallel, tp=tp)
+        setattr(parent, attr, new)
+
+
+def expected_quant_tensors(cfg: VolundrConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every X.qweight / X.scales / X.zeros that cfg's checkpoint holds."""
+    qc = cfg.quantization
+    if qc is None:
+        return {}
+    specs = expected_tensors(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for module, bits in qc.bits.items():
+        spec = specs.get(f"{module}.weight")
+        if spec is None or not spec.linear:
+            raise ValueError(f"quantization_config lists {module}, which is not a linear of "
+                             "this model")
+        n, k = spec.shape
+        g = group_size_for(k, qc.group_size)
+        out[f"{module}.qweight"] = (n, k * bits // 8)
+        out[f"{module}.scales"] = (n, k // g)
+        out[f"{module}.zeros"] = (n, k // g)
+    return out

@@ -1,0 +1,45 @@
+"""Entry point the model uses on CUDA: y = x @ W^T for a mixed-bit W in the kernel layout.
+
+Strategy by the number of rows M of x, from the H200 sweep of perf/kernels/bench_quant.py
+(perf/RESULTS.md, "Mixed-bit weights"; 17408x5120 figures, CUDA-graph timings):
+  M = 1        FMA GEMV (`gemv.py`, BLOCK_M = 1), split-K: 2/3/4-bit 18.7 / 24.6 / 26.4 us
+               (bf16 cuBLAS 47.7 us);
+  2 <= M <= 16 tensor-core tile of 16 rows, one pipeline stage + register prefetch:
+               42 / 61 / 45 us (3 stages: 116 / 133 / 119 us);
+  M <= 128     64-row tensor-core tiles (M = 64: 97 / 131 / 106 us vs 137 / 144 / 320 us
+               for dequantise + cuBLAS);
+  M > 128      dequantise 8192 output features at a time to bf16, cuBLAS GEMM (`gemm.py`):
+               M = 256: 190 / 171 / 227 us vs 238 / 314 / 267 us fused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from volundr.kernels.quant.gemm import dequant_matmul
+from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
+
+# M = 1: (bn, num_warps, waves, prefetch) per bit width; rows per thread = bn / (128 num_warps)
+GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, False)}
+BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
+PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
+FUSED_MAX_M = 128
+
+
+def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
+                 bits: int, group_size: int) -> torch.Tensor:
+    """x [M, K] (any float dtype; bf16 in the engine) -> y [M, N] in x's dtype."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if m == 1:
+        bn, nw, waves, prefetch = GEMV_CONFIG[bits]
+        return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=1, bn=bn,
+                                   num_warps=nw, waves=waves, prefetch=prefetch)
+    if m <= MAX_M:
+        return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=MAX_M,
+                                   **BATCH_CONFIG)
+    if m <= FUSED_MAX_M:
+        return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=64,
+                                   **PREFILL_CONFIG)
+    return dequant_matmul(x, qa, qb, sz, bits, group_size)

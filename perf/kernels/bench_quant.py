@@ -1,0 +1,238 @@
+"""Mixed-bit GEMV/GEMM on the GPU: bandwidth at Volundr-32B shapes vs the HBM copy and cuBLAS.
+
+    python perf/kernels/bench_quant.py --out $OUT        (H200: about 3 minutes)
+
+Per (shape, bits, M) it times every kernel config of a small sweep, checks each config's
+output against the naive fp32 reference, and reports the best: time, bytes moved (packed
+weights + scales/zeros; x and y are negligible) and GB/s against a large device-to-device
+copy and bf16 cuBLAS (F.linear) at the same shape, all measured in this run. Weights rotate
+over enough copies (> 4x L2) that every call streams from HBM, and C calls are captured in one
+CUDA graph (launch gaps as in the engine's decode graph) timed with triton's do_bench
+(median, L2 flushed before each replay). Writes bench_quant.json (+ .png with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from volundr.kernels.quant.gemm import dequant_matmul
+from volundr.kernels.quant.gemv import quant_matmul_triton
+from volundr.kernels.quant.naive import naive_quant_matmul
+
+SHAPES = [(5120, 5120), (17408, 5120), (5120, 17408), (262144, 5120)]  # (out N, in K)
+# (bn, num_warps, waves, prefetch, num_stages); M = 1 rows per thread = bn / (128 num_warps)
+GEMV_CFGS = [(128, 1, 8.0, True, None), (256, 1, 4.0, True, None), (256, 1, 8.0, True, None),
+             (256, 2, 4.0, True, None), (512, 2, 4.0, True, None), (128, 1, 8.0, False, None)]
+BATCH_CFGS = [(128, 4, 2.0, True, None), (128, 4, 4.0, True, 1), (64, 2, 4.0, False, 2)]
+PREFILL_MS = [64, 256, 1024]
+STREAM_BYTES = 1 << 29  # rotate weight copies until this many bytes: > 8x the H200's L2
+
+
+def random_layer(n, k, bits, g=128, seed=0):
+    """Random packed planes and plausible bf16 scales/zeros (timing does not depend on values)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pa = 4 if bits == 4 else 2
+    qa = torch.randint(-2**31, 2**31 - 1, (k * pa // 32, n), generator=gen, device="cuda",
+                       dtype=torch.int32)
+    qb = torch.randint(-2**31, 2**31 - 1, (k // 32 if bits == 3 else 0, n), generator=gen,
+                       device="cuda", dtype=torch.int32)
+    s = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.02 + 0.005).to(torch.bfloat16)
+    z = (torch.rand(n, k // g, generator=gen, device="cuda") * (2**bits - 1)).to(torch.bfloat16)
+    from volundr.kernels.quant.pack import pack_scale_zero
+
+    return qa, qb, pack_scale_zero(s, z)
+
+
+def layer_bytes(layer) -> int:
+    return sum(t.numel() * t.element_size() for t in layer)
+
+
+def time_graph(fn, copies: int) -> float:
+    """Microseconds per call of fn(c) for c in 0..copies-1, captured as one CUDA graph."""
+    for c in range(copies):
+        fn(c)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in range(copies):
+            fn(c)
+    ms = triton.testing.do_bench(g.replay, warmup=10, rep=80, return_mode="median")
+    return ms * 1e3 / copies
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, read + write
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=20, rep=200, return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3) / 1e9
+
+
+def bench_shape(n, k, bits, ms, copy_gbs, results, quick=False):
+    nbytes = layer_bytes(random_layer(n, k, bits))
+    copies = max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
+    layers = [random_layer(n, k, bits, seed=c) for c in range(copies)]
+    qa, qb, sz = layers[0]
+    wbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+           for _ in range(max(2, min(64, math.ceil(STREAM_BYTES / (2 * n * k)))))]
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, k)
+        t_bf16 = time_graph(lambda c, x=x: F.linear(x, wbf[c % len(wbf)]), len(wbf))
+        cfgs = GEMV_CFGS if m == 1 else BATCH_CFGS
+        block_m = 1 if m == 1 else 16
+        best = None
+        for bn, nw, waves, pf, st in (cfgs[:2] if quick else cfgs):
+            rec = {"n": n, "k": k, "bits": bits, "m": m, "bn": bn, "num_warps": nw,
+                   "waves": waves, "prefetch": pf, "num_stages": st, "bytes": nbytes,
+                   "copies": copies}
+            try:
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+                def fn(c, bn=bn, nw=nw, waves=waves, out=out, x=x, block_m=block_m, pf=pf,
+                       st=st):
+                    a, b, s = layers[c]
+                    quant_matmul_triton(x, a, b, s, bits, 128, out=out, block_m=block_m, bn=bn,
+                                        num_warps=nw, waves=waves, prefetch=pf, num_stages=st)
+                out.fill_(float("nan"))
+                fn(0)
+                rec["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+                rec["us"] = time_graph(fn, copies)
+                rec["gbs"] = nbytes / (rec["us"] * 1e-6) / 1e9
+                rec["frac_copy"] = rec["gbs"] / copy_gbs
+                rec["bf16_us"] = t_bf16
+                rec["bf16_gbs"] = 2 * n * k / (t_bf16 * 1e-6) / 1e9
+            except Exception as e:  # a config that does not compile or fit: record, go on
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            results.append(rec)
+            ok = "us" in rec and rec["rel_err"] < 1e-2
+            if ok and (best is None or rec["us"] < best["us"]):
+                best = rec
+        if best is not None:
+            print(f"{n:6d}x{k:<6d} {bits}b M={m:<3d} best bn={best['bn']:3d} nw={best['num_warps']}"
+                  f" w={best['waves']:.0f} pf={best['prefetch']:d} st={best['num_stages']}: "
+                  f"{best['us']:8.2f} us {best['gbs']:7.0f} GB/s "
+                  f"({100 * best['frac_copy']:5.1f}% copy)  bf16 {t_bf16:8.2f} us "
+                  f"err {best['rel_err']:.1e}", flush=True)
+
+
+def bench_engine(n, k, bits, ms, results):
+    """The engine's own choice (kernels/quant/engine.py) per M, for the summary table."""
+    from volundr.kernels.quant.engine import quant_matmul
+
+    layer = random_layer(n, k, bits)
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
+        err = ((quant_matmul(x, *layer, bits, 128).float() - ref).norm() / ref.norm()).item()
+        us = triton.testing.do_bench(lambda x=x: quant_matmul(x, *layer, bits, 128), warmup=10,
+                                     rep=50, return_mode="median") * 1e3
+        results.append({"n": n, "k": k, "bits": bits, "m": m, "us": us, "rel_err": err})
+        print(f"engine {n}x{k} {bits}b M={m:<5d} {us:9.1f} us err {err:.1e}", flush=True)
+
+
+def bench_prefill(n, k, bits, results):
+    layer = random_layer(n, k, bits)
+    wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    for m in PREFILL_MS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
+        rec = {"n": n, "k": k, "bits": bits, "m": m, "prefill": True}
+        fns = {
+            "fused64": lambda x=x: quant_matmul_triton(x, *layer, bits, 128, block_m=64, bn=128,
+                                                       num_warps=4, waves=1.0),
+            "dequant_cublas": lambda x=x: dequant_matmul(x, *layer, bits, 128),
+            "bf16_cublas": lambda x=x: F.linear(x, wbf),
+        }
+        for name, fn in fns.items():
+            try:
+                y = fn()
+                if name != "bf16_cublas":
+                    rec[name + "_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                rec[name + "_us"] = triton.testing.do_bench(fn, warmup=10, rep=50,
+                                                            return_mode="median") * 1e3
+                rec[name + "_tflops"] = 2 * m * n * k / (rec[name + "_us"] * 1e-6) / 1e12
+            except Exception as e:
+                rec[name + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        results.append(rec)
+        print(f"prefill {n}x{k} {bits}b M={m:<5d} " + "  ".join(
+            f"{nm} {rec.get(nm + '_us', float('nan')):8.1f} us" for nm in fns), flush=True)
+
+
+def plot(data: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: skipping the plot")
+        return
+    best = {}
+    for r in data["gemv"]:
+        if "us" in r and r["rel_err"] < 1e-2 and r["m"] == 1:
+            key = (r["n"], r["k"], r["bits"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{n}x{k}" for n, k in SHAPES]
+    for j, bits in enumerate((2, 3, 4)):
+        vals = [best.get((n, k, bits), {}).get("gbs", 0) for n, k in SHAPES]
+        ax.bar([i + 0.2 * j for i in range(len(SHAPES))], vals, 0.2, label=f"{bits}-bit")
+    bf = [next((r["bf16_gbs"] for r in data["gemv"] if r.get("bf16_gbs") and r["m"] == 1
+                and (r["n"], r["k"]) == s), 0) for s in SHAPES]
+    ax.bar([i + 0.6 for i in range(len(SHAPES))], bf, 0.2, label="bf16 cuBLAS")
+    ax.axhline(data["copy_gbs"], color="k", ls="--", label="HBM copy")
+    ax.axhline(0.8 * data["copy_gbs"], color="gray", ls=":", label="80% of copy")
+    ax.set_xticks([i + 0.3 for i in range(len(SHAPES))], labels)
+    ax.set_ylabel("GB/s (packed weights + scales/zeros)")
+    ax.set_title(f"Mixed-bit GEMV, batch 1, {data['device']}")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="two configs per case, no prefill")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 1
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    data = {"device": props.name, "sms": props.multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__,
+            "copy_gbs": copy_bandwidth(), "gemv": [], "prefill": []}
+    print(f"{props.name}: device-to-device copy {data['copy_gbs']:.0f} GB/s", flush=True)
+    ms = [int(v) for v in args.batches.split(",")]
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for n, k in shapes:
+        for bits in (2, 3, 4):
+            bench_shape(n, k, bits, ms, data["copy_gbs"], data["gemv"], args.quick)
+    if not args.quick:
+        for bits in (2, 3, 4):
+            bench_prefill(17408, 5120, bits, data["prefill"])
+    data["engine"] = []
+    for bits in (2, 3, 4):
+        bench_engine(17408, 5120, bits, [1, 2, 4, 16, 64, 512], data["engine"])
+    data["seconds"] = time.time() - t0
+    with open(os.path.join(args.out, "bench_quant.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    plot(data, os.path.join(args.out, "bench_quant.png"))
+    print(f"done in {data['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
