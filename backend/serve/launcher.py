@@ -1,0 +1,214 @@
+"""`volundr-serve`: tritonserver with the Volundr model repository + the OpenAI proxy.
+
+    volundr-serve                          # the tiny checkpoint (built on first use), CPU
+    volundr-serve --model DIR --profile 24gb
+    volundr-serve --model owner/name --profile 48gb --gpu-gib 70
+
+Ctrl-C or SIGTERM stops both. Problems a user can fix (a missing dependency, a port in use, no
+checkpoint) end with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from volundr.serve.profiles import PROFILES, profiles_table
+from volundr.serve.triton_env import SetupError
+
+REQUIRED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "tritonclient": "tritonclient[all]",
+            "torch": "torch", "tokenizers": "tokenizers", "jinja2": "jinja2"}
+
+
+def default_cache_dir() -> Path:
+    """$VOLUNDR_CACHE, else .cache/ of this checkout (git-ignored), else ~/.cache/volundr."""
+    if os.environ.get("VOLUNDR_CACHE"):
+        return Path(os.environ["VOLUNDR_CACHE"])
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "pyproject.toml").exists() and os.access(repo, os.W_OK):
+        return repo / ".cache"
+    return Path.home() / ".cache" / "volundr"
+
+
+def check_dependencies() -> None:
+    missing = [pkg for mod, pkg in REQUIRED.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise SetupError(f"missing Python packages: {', '.join(missing)} "
+                         "(run `make setup`, or pip install -e '.[serve]')")
+
+
+def _converter_stamp() -> str:
+    """Hash of the converter's sources and data: the cached tiny checkpoint is rebuilt when
+    they change (a checkout update must not serve a checkpoint of an older format)."""
+    import hashlib
+
+    import volundr.converter as conv
+
+    h = hashlib.sha256()
+    root = Path(conv.__file__).parent
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tiny_checkpoint(cache_dir: Path) -> Path:
+    """The default demo checkpoint, built once per converter version (atomically: tests and
+    `make serve` may race)."""
+    out = cache_dir / "tiny"
+    stamp = _converter_stamp()
+    if (out / ".stamp").exists() and (out / ".stamp").read_text() == stamp:
+        return out
+    print(f"volundr-serve: building the tiny checkpoint in {out}", flush=True)
+    from volundr.converter.tiny import build_tiny
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    tmp.chmod(0o755)
+    build_tiny(tmp, seed=0, preset="tiny")
+    (tmp / ".stamp").write_text(stamp)
+    old = cache_dir / f"tiny-old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:  # someone else finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def resolve_model(spec: str | None, cache_dir: Path) -> Path:
+    if spec is None:
+        return tiny_checkpoint(cache_dir)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SetupError(f"{path} has no config.json: not a checkpoint directory")
+        return path.resolve()
+    from volundr.converter.loader import ModelNotFoundError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(spec)
+    except ModelNotFoundError as e:
+        raise SetupError(str(e)) from None
+
+
+def context_len(model_dir: Path, wanted: int) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return min(wanted, int(cfg.get("max_position_embeddings", wanted)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="volundr-serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve Volundr: tritonserver (model repository: preprocessing -> "
+                    "volundr_llm -> postprocessing, ensemble `volundr`) and an OpenAI-compatible "
+                    "proxy.", epilog="profiles:\n" + profiles_table())
+    ap.add_argument("--model", help="checkpoint directory or Hugging Face repo id "
+                    "(default: the tiny checkpoint, built on first use in the cache)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    ap.add_argument("--gpu-gib", type=float, help="GPU memory budget, overrides the profile's")
+    ap.add_argument("--max-num-seqs", type=int, help="overrides the profile's")
+    ap.add_argument("--max-model-len", type=int, help="context length, overrides the profile's")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel over GPUs cuda:0..N-1 of this machine (2 or 4)")
+    ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--proxy-port", type=int, default=30000)
+    ap.add_argument("--served-model-name", default="volundr",
+                    help="the model name the OpenAI API answers to")
+    ap.add_argument("--cache-dir", type=Path, default=None)
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="where the server logs go (default: a run directory in the cache)")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
+    return ap.parse_args(argv)
+
+
+def build_options(args: argparse.Namespace):
+    from volundr.serve.stack import StackOptions
+
+    cache = args.cache_dir or default_cache_dir()
+    model_dir = resolve_model(args.model, cache)
+    p = PROFILES[args.profile]
+    changes = {}
+    if args.gpu_gib is not None:
+        changes["gpu_gib"] = args.gpu_gib
+    if args.max_num_seqs is not None:
+        changes["max_num_seqs"] = args.max_num_seqs
+    changes["tensor_parallel_size"] = args.tp
+    changes["max_model_len"] = context_len(model_dir, args.max_model_len or p.max_model_len)
+    profile = dataclasses.replace(p, **changes)
+    return StackOptions(model_dir=model_dir, profile=profile, cache_dir=cache, host=args.host,
+                        http_port=args.http_port, grpc_port=args.grpc_port,
+                        metrics_port=args.metrics_port, proxy_port=args.proxy_port,
+                        served_model_name=args.served_model_name,
+                        startup_timeout_s=args.startup_timeout, log_dir=args.log_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stopping = False
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also when started with SIGINT ignored (nohup, &)
+    stack = None
+    try:
+        check_dependencies()
+        from volundr.serve.stack import ServingStack
+
+        opts = build_options(args)
+        stack = ServingStack(opts)
+        stack.check_ports()
+        p = opts.profile
+        print(f"volundr-serve: model {opts.model_dir}, profile {p.name} ({p.device}, "
+              f"{p.max_num_seqs} sequences, context {p.max_model_len}); starting tritonserver...",
+              flush=True)
+        stack.start()
+        print(f"""volundr-serve: ready
+  OpenAI API     {stack.proxy_url}/v1   (model "{opts.served_model_name}")
+  Triton HTTP    {stack.http_url}    (ensemble "volundr"; also preprocessing, volundr_llm, \
+postprocessing)
+  Triton gRPC    {stack.grpc_url}
+  metrics        {stack.metrics_url}
+  logs           {stack.triton_log.parent}
+Ctrl-C stops both.""", flush=True)
+        while True:
+            gone = stack.poll()
+            if gone:
+                print(f"volundr-serve: {gone} exited; stopping (logs: {stack.triton_log.parent})",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        stopping = True
+        print("\nvolundr-serve: stopping...", file=sys.stderr, flush=True)
+        return 0
+    except SetupError as e:
+        print(f"volundr-serve: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
+        if stack is not None:
+            stack.stop()
+        if stopping:
+            print("volundr-serve: stopped", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

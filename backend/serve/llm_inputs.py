@@ -1,0 +1,129 @@
+"""Request tensors of `volundr_llm` -> prompt ids, SamplingParams, stop strings, stream flag.
+
+Names follow the TRT-LLM ensemble where one exists. Every error is a ValueError whose message
+starts with "invalid request:" or "prompt too long:" (the proxy maps both to HTTP 400).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from volundr.sampling_params import SamplingParams
+from volundr.serve.stop import validate_stops
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    abort_request_id: str | None  # abort the generation started with this Triton request id
+    return_stats: bool
+
+
+def generation_defaults(model_dir: str | Path) -> dict:
+    """temperature / top_p / top_k / min_p from generation_config.json, used when a request
+    does not set them."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    cfg = json.loads(path.read_text())
+    if cfg.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: cfg[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in cfg}
+
+
+def _bad(msg: str) -> ValueError:
+    return ValueError(f"invalid request: {msg}")
+
+
+def _scalar(get: Getter, name: str):
+    arr = get(name)
+    if arr is None or arr.size == 0:
+        return None
+    if arr.size != 1:
+        raise _bad(f"{name} must hold one value, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def _strings(arr: np.ndarray | None, name: str) -> list[str]:
+    if arr is None:
+        return []
+    out = []
+    for v in arr.reshape(-1):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _bad(f"{name} is not valid UTF-8") from None
+        out.append(str(v))
+    return out
+
+
+def parse_control(get: Getter) -> ControlRequest | None:
+    """A control request (no generation): `abort_request_id` and/or `return_stats`."""
+    abort = _strings(get("abort_request_id"), "abort_request_id")
+    stats = _scalar(get, "return_stats")
+    if not abort and not bool(stats):
+        return None
+    return ControlRequest(abort[0] if abort else None, bool(stats))
+
+
+def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = None
+                      ) -> LLMRequest:
+    ids = get("input_ids")
+    if ids is None or ids.size == 0:
+        raise _bad("input_ids is required (or send return_stats / abort_request_id)")
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise _bad(f"send one sequence per request (batch size 1), got {ids.shape[0]}")
+    prompt = [int(t) for t in ids.reshape(-1)]
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt too long: the prompt has {len(prompt)} tokens; this model's "
+                         f"context is {max_model_len} tokens, including the output")
+    d = dict(defaults or {})
+    max_tokens = _scalar(get, "max_tokens")
+    if max_tokens is None or int(max_tokens) == 0:  # 0 / absent: up to the end of the context
+        max_tokens = max_model_len - len(prompt)
+    seed = _scalar(get, "seed")
+    if seed is None:
+        seed = _scalar(get, "random_seed")
+    top_k = _scalar(get, "top_k")
+    stop_ids = get("stop_token_ids")
+    kw = {
+        "max_tokens": int(max_tokens),
+        "temperature": float(_opt(_scalar(get, "temperature"), d.get("temperature", 1.0))),
+        "top_p": float(_opt(_scalar(get, "top_p"), d.get("top_p", 1.0))),
+        "top_k": int(_opt(top_k, d.get("top_k", 0))),
+        "min_p": float(_opt(_scalar(get, "min_p"), d.get("min_p", 0.0))),
+        "seed": None if seed is None else int(seed),
+        "stop_token_ids": () if stop_ids is None else tuple(int(t) for t in stop_ids.reshape(-1)),
+        "ignore_eos": bool(_opt(_scalar(get, "ignore_eos"), False)),
+    }
+    if kw["top_p"] == 0.0:
+        kw["top_p"] = 1.0  # TRT-LLM clients send 0 for "off"
+    try:
+        params = SamplingParams(**kw)
+    except ValueError as e:
+        raise _bad(str(e)) from None
+    try:
+        stops = validate_stops(_strings(get("stop"), "stop"))
+    except ValueError as e:
+        raise _bad(str(e)) from None
+    stream = bool(_opt(_scalar(get, "stream"), False))
+    return LLMRequest(prompt, params, stops, stream)
+
+
+def _opt(v, default):
+    return default if v is None else v

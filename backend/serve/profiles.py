@@ -1,0 +1,51 @@
+"""Serving profiles: one row per target machine; `--profile` picks one, flags override fields.
+
+gpu_gib is the GPU memory budget handed to the engine's memory plan (weights, KDA/conv state per
+sequence, attention KV for the rest); a little is left to the CUDA context and the server.
+Volundr-32B needs about 11 GB of GPU memory for its mixed 2/3/4-bit compute weights; its
+embedding and Engram tables stay in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    device: str  # "cpu" | "cuda"
+    gpu_gib: float | None  # None on the CPU
+    max_num_seqs: int  # running sequences (each holds one KDA/conv state slot)
+    max_num_batched_tokens: int  # tokens per engine step (chunked prefill)
+    max_model_len: int  # context per sequence (capped by the checkpoint's own)
+    shm_mib: int  # Python backend shared memory per model instance, initial size
+    max_inflight: int  # ensemble backpressure, where the server supports it
+    note: str
+    tensor_parallel_size: int = 1  # GPUs cuda:0..N-1 of one machine (--tp)
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile("cpu", "cpu", None, 8, 256, 2048, 16, 64,
+                "tests, CI and the tiny checkpoint on any machine"),
+        Profile("16gb", "cuda", 15.0, 4, 2048, 32768, 64, 64,
+                "16 GB GPUs (RTX 4080, RTX 4060 Ti 16 GB, T4)"),
+        Profile("24gb", "cuda", 23.0, 8, 4096, 65536, 64, 128,
+                "24 GB GPUs (RTX 3090/4090, L4, A10)"),
+        Profile("48gb", "cuda", 46.0, 16, 8192, 262144, 128, 256,
+                "48 GB and larger (L40S, A6000, A100, H100, H200)"),
+    )
+}
+
+
+def profiles_table() -> str:
+    """The profiles as a Markdown table (README, --help)."""
+    rows = ["| profile | device | GPU budget | sequences | tokens/step | context | for |",
+            "|---|---|---|---|---|---|---|"]
+    for p in PROFILES.values():
+        gib = f"{p.gpu_gib:g} GiB" if p.gpu_gib else "-"
+        rows.append(f"| `{p.name}` | {p.device} | {gib} | {p.max_num_seqs} | "
+                    f"{p.max_num_batched_tokens} | {p.max_model_len} | {p.note} |")
+    return "\n".join(rows)

@@ -1,0 +1,237 @@
+"""Engine-thread glue of the `volundr_llm` Triton model, importable and testable without Triton.
+
+One background thread owns the (not thread-safe) `volundr.LLM`: it drains a queue of commands
+(add / abort / stats), runs `llm.step()`, polls each request's cancellation, and hands chunks to
+each request's `Sink` (in Triton: a wrapper around its response_sender). `RequestStream` turns the
+engine's new ids into chunks that end on clean UTF-8 boundaries (see detok.py) and never pass a
+stop string.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from volundr.sampling_params import SamplingParams
+from volundr.serve.detok import Utf8Boundary, text_delta
+from volundr.serve.stop import find_stop, partial_stop_len
+
+log = logging.getLogger("volundr.serve")
+PREFIX_MIN = 4  # ids of context before a chunk, enough for any decoder's look-behind
+
+
+@dataclass(frozen=True)
+class Chunk:
+    output_ids: list[int]
+    prefix_ids: list[int]
+    trim_chars: int  # characters to cut from the end of this chunk's text (a stop string)
+    finish_reason: str  # "" while streaming, then "stop" | "length" | "abort"
+    num_input_tokens: int
+    num_output_tokens: int
+
+
+class Sink(Protocol):
+    def send(self, chunk: Chunk, final: bool) -> None: ...
+    def error(self, message: str) -> None: ...
+    def is_cancelled(self) -> bool: ...
+
+
+class RequestStream:
+    """Per request: buffers ids until they can be emitted (clean boundary, no partial stop)."""
+
+    def __init__(self, boundary: Utf8Boundary, stops: Sequence[str], stream: bool,
+                 num_input_tokens: int):
+        self.boundary, self.stops, self.stream = boundary, tuple(stops), stream
+        self.num_input_tokens = num_input_tokens
+        self.ids: list[int] = []
+        self.sent = 0  # ids[:sent] are emitted (or, when not streaming, accepted)
+        self.starts = [0]  # clean boundaries at or before `sent`, for prefix_ids
+        self.num_output_tokens = 0
+
+    def _prefix(self) -> list[int]:
+        while len(self.starts) > 1 and self.starts[1] <= self.sent - PREFIX_MIN:
+            self.starts.pop(0)
+        return self.ids[self.starts[0]:self.sent]
+
+    def push(self, new_ids: Sequence[int], finish_reason: str | None,
+             num_output_tokens: int | None = None) -> Chunk | None:
+        """Add the engine's new ids; returns a chunk to send, or None. A returned chunk with a
+        finish_reason is the last one (a stop string sets reason "stop" itself)."""
+        self.ids.extend(int(t) for t in new_ids)
+        self.num_output_tokens = num_output_tokens or len(self.ids)
+        pending = self.ids[self.sent:]
+        prefix = self._prefix()
+        trim, reason = 0, finish_reason
+        clean = self.boundary.is_clean(self.ids, held=len(pending))
+        if self.stops and pending:
+            text = text_delta(self.boundary.tokenizer, prefix, pending)
+            at = find_stop(text, self.stops)
+            if at >= 0:
+                trim, reason = len(text) - at, "stop"
+            elif reason is None and (not clean or partial_stop_len(text, self.stops)):
+                return None
+        elif reason is None and (not clean or not pending):
+            return None
+        if not self.stream and reason is None:
+            self._advance()  # accepted; everything goes out in one response at the end
+            return None
+        if not self.stream:
+            prefix, pending = [], self.ids
+        self._advance()
+        return Chunk(pending, prefix, trim, reason or "", self.num_input_tokens,
+                     self.num_output_tokens)
+
+    def _advance(self) -> None:
+        self.sent = len(self.ids)
+        self.starts.append(self.sent)
+
+
+@dataclass
+class _Active:
+    triton_id: str
+    stream: RequestStream
+    sink: Sink
+
+
+class EngineLoop:
+    """Owns the LLM on one thread. `submit`, `abort` and `stats` may be called from any thread."""
+
+    def __init__(self, llm, idle_wait_s: float = 0.5):
+        self.llm = llm
+        self.boundary = Utf8Boundary(llm.tokenizer)
+        self.idle_wait_s = idle_wait_s
+        self._q: queue.Queue = queue.Queue()
+        self._active: dict[str, _Active] = {}
+        # Triton ids aborted before their request arrived (a client gone while its prompt was
+        # still in preprocessing): such a request ends at once instead of generating unheard.
+        self._tombstones: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="volundr-engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._q.put(("wake",))
+        self._thread.join(timeout)
+
+    # ---- commands (any thread) -------------------------------------------------------------
+    def submit(self, triton_id: str, prompt_ids: list[int], params: SamplingParams,
+               stops: Sequence[str], stream: bool, sink: Sink) -> None:
+        self._q.put(("add", triton_id, prompt_ids, params, tuple(stops), stream, sink))
+
+    def abort(self, triton_id: str, reply: Callable[[dict], None]) -> None:
+        """Abort every running request with this Triton request id; reply with the stats after."""
+        self._q.put(("abort", triton_id, reply))
+
+    def stats(self, reply: Callable[[dict], None]) -> None:
+        self._q.put(("stats", reply))
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _stats(self, aborted: int | None = None) -> dict:
+        s = dict(self.llm.stats())
+        s["active_requests"] = len(self._active)
+        if aborted is not None:
+            s["aborted"] = aborted
+        return s
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, tid, prompt_ids, params, stops, stream, sink = cmd
+            if tid and self._tombstones.pop(tid, None) is not None:
+                rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
+                self._send(_Active(tid, rs, sink), rs.push([], "abort"), final=True)
+                return
+            rid = uuid.uuid4().hex
+            try:
+                self.llm.add_request(prompt_ids, params, request_id=rid)
+            except ValueError as e:
+                msg = str(e)
+                prefix = "prompt too long" if "context" in msg else "invalid request"
+                sink.error(f"{prefix}: {msg}")
+                return
+            rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
+            self._active[rid] = _Active(tid, rs, sink)
+        elif kind == "abort":
+            _, tid, reply = cmd
+            hits = [rid for rid, a in self._active.items() if tid and a.triton_id == tid]
+            for rid in hits:
+                self._finish(rid, "abort")
+            now = time.monotonic()
+            self._tombstones = {t: at for t, at in self._tombstones.items() if now - at < 120}
+            if tid and not hits:
+                self._tombstones[tid] = now
+            reply(self._stats(aborted=len(hits)))
+        elif kind == "stats":
+            cmd[1](self._stats())
+
+    def _finish(self, rid: str, reason: str) -> None:
+        """Ends a request early (abort or cancel): frees its blocks and slot, sends the end."""
+        self.llm.abort(rid)
+        a = self._active.pop(rid)
+        chunk = a.stream.push([], reason)
+        self._send(a, chunk, final=True)
+
+    def _send(self, a: _Active, chunk: Chunk | None, final: bool) -> None:
+        if chunk is None:
+            return
+        try:
+            a.sink.send(chunk, final)
+        except Exception as e:  # a client gone away must not take the engine down
+            log.warning("volundr_llm: sending a response failed: %s", e)
+
+    def _step(self) -> None:
+        for rid in [r for r, a in self._active.items() if a.sink.is_cancelled()]:
+            self._finish(rid, "abort")
+        if not self.llm.has_unfinished():
+            return
+        for out in self.llm.step():
+            a = self._active.get(out.request_id)
+            if a is None:
+                continue
+            chunk = a.stream.push(out.new_token_ids, out.finish_reason if out.finished else None,
+                                  out.num_output_tokens)
+            done = out.finished or (chunk is not None and chunk.finish_reason != "")
+            if done and not out.finished:
+                self.llm.abort(out.request_id)  # a stop string: free the sequence now
+            if done:
+                self._active.pop(out.request_id, None)
+            self._send(a, chunk, final=done)
+
+    def _drain(self) -> None:
+        """Handles the queued commands, waiting a little for one when the engine is idle."""
+        timeout = self.idle_wait_s if not self.llm.has_unfinished() else None
+        while True:
+            try:
+                cmd = self._q.get(timeout=timeout) if timeout else self._q.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(cmd)
+            del cmd
+            timeout = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            try:
+                self._step()
+            except Exception as e:  # keep serving: fail the running requests, not the server
+                log.exception("volundr_llm: engine step failed")
+                for rid in list(self._active):
+                    a = self._active.pop(rid)
+                    self.llm.abort(rid)
+                    try:
+                        a.sink.error(f"engine error: {e}")
+                    except Exception:
+                        pass
+        for rid in list(self._active):
+            self._finish(rid, "abort")

@@ -1,0 +1,238 @@
+"""OpenAI-compatible API in front of the Triton `volundr` ensemble (FastAPI + uvicorn).
+
+    python -m volundr.clients.openai_proxy --triton-grpc 127.0.0.1:8001 --port 30000
+
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Streaming is SSE
+ending in `data: [DONE]`. Errors are OpenAI error JSON: 400 invalid request or prompt longer
+than the context, 404 unknown model, 503 Triton unavailable. A client that disconnects gets its
+Triton request cancelled and its sequence aborted (blocks and state slot freed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from volundr.clients.openai_render import ChatRender, CompletionRender
+from volundr.clients.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body
+from volundr.clients.triton import Delta, TritonRequestError, TritonUnavailable, VolundrTriton
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    triton_grpc: str = "127.0.0.1:8001"
+    served_model_name: str = "volundr"
+    max_model_len: int | None = None
+    ensemble: str = "volundr"
+
+
+def triton_error(e: Exception) -> APIError:
+    if isinstance(e, TritonUnavailable):
+        return APIError(503, str(e), "service_unavailable", code="service_unavailable")
+    msg = str(e)
+    for marker, code in (("prompt too long:", "context_length_exceeded"),
+                         ("invalid request:", None)):
+        at = msg.find(marker)
+        if at >= 0:
+            text = msg[at + len(marker):].strip()
+            return APIError(400, text, code=code)
+    return APIError(500, f"inference failed: {msg}", "server_error", code="internal_error")
+
+
+def _tensors(req: ChatRequest | CompletionRequest) -> dict:
+    fields = {"max_tokens": req.limit(), "temperature": req.temperature, "top_p": req.top_p,
+              "top_k": req.top_k, "min_p": req.min_p, "seed": req.seed, "stop": req.stops(),
+              "ignore_eos": req.ignore_eos or None, "stream": req.stream}
+    if isinstance(req, ChatRequest):
+        fields["messages"] = json.dumps(req.messages, ensure_ascii=False)
+        if req.tools_active():
+            fields["tools"] = json.dumps(req.tools, ensure_ascii=False)
+        if req.chat_template_kwargs:
+            fields["chat_template_kwargs"] = json.dumps(req.chat_template_kwargs)
+    else:
+        fields["text_input"] = req.text()
+    for k, v in fields.items():  # lone surrogates (\ud800 in JSON) cannot travel as UTF-8
+        try:
+            json.dumps(v, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{k} contains text that is not valid Unicode (an unpaired "
+                           "surrogate)", param=k) from None
+    return fields
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that notices a client going away while nothing is being written
+    (Starlette, on ASGI >= 2.4, only notices on the next write), and always closes its
+    iterator: closing `_sse` closes the Triton stream, which aborts the sequence."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client is gone
+            finally:
+                tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def create_app(cfg: ProxyConfig) -> FastAPI:
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if "triton" in state:
+            await state["triton"].close()
+
+    app = FastAPI(title="Volundr OpenAI-compatible API", lifespan=lifespan)
+
+    def triton() -> VolundrTriton:
+        if "triton" not in state:  # created on the serving event loop
+            state["triton"] = VolundrTriton(cfg.triton_grpc, ensemble=cfg.ensemble)
+        return state["triton"]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return e.response()
+
+    def check_model(name: str) -> None:
+        if name != cfg.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                           f"`{cfg.served_model_name}`.", param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        card = {"id": cfg.served_model_name, "object": "model", "created": 0,
+                "owned_by": "volundr"}
+        if cfg.max_model_len:
+            card["max_model_len"] = cfg.max_model_len
+        return card
+
+    @app.get("/health")
+    async def health():
+        if await triton().ready():
+            return {"status": "ok"}
+        return APIError(503, "Triton is not ready", "service_unavailable",
+                        code="service_unavailable").response()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return model_card()
+
+    async def run(request: Request, req, render):
+        check_model(req.model)
+        rid = f"{render.id_prefix}-{uuid.uuid4().hex}"
+        gen = triton().stream(VolundrTriton.inputs(**_tensors(req)), request_id=rid)
+        if not req.stream:
+            return JSONResponse(await _collect(request, gen, render))
+        try:  # the first response decides the HTTP status (e.g. 400 prompt too long)
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except (TritonRequestError, TritonUnavailable) as e:
+            raise triton_error(e) from None
+        return EventStream(_sse(gen, first, render), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse_body(await request.body(), ChatRequest)
+        return await run(request, req, ChatRender(req, cfg.served_model_name))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_body(await request.body(), CompletionRequest)
+        return await run(request, req, CompletionRender(req, cfg.served_model_name))
+
+    return app
+
+
+async def _collect(request: Request, gen: AsyncIterator[Delta], render) -> dict:
+    """All deltas of a non-streamed request; aborts it if the client goes away meanwhile."""
+    async def drain() -> list[Delta]:
+        return [d async for d in gen]
+
+    task = asyncio.ensure_future(drain())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            break
+        if await request.is_disconnected():
+            task.cancel()  # closes the stream: VolundrTriton.stream sends the abort
+            await asyncio.gather(task, return_exceptions=True)
+            await gen.aclose()
+            raise APIError(499, "client closed the request", "client_closed")
+    try:
+        deltas = task.result()
+    except (TritonRequestError, TritonUnavailable) as e:
+        raise triton_error(e) from None
+    return render.full(deltas)
+
+
+async def _sse(gen: AsyncIterator[Delta], first: Delta | None, render) -> AsyncIterator[str]:
+    def event(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+        for obj in render.start():
+            yield event(obj)
+        last = None
+        if first is not None:
+            last = first
+            for obj in render.delta(first):
+                yield event(obj)
+            async for d in gen:
+                last = d
+                for obj in render.delta(d):
+                    yield event(obj)
+        for obj in render.finish(last):
+            yield event(obj)
+    except (TritonRequestError, TritonUnavailable) as e:
+        err = triton_error(e)
+        yield event({"error": {"message": err.message, "type": err.type, "param": err.param,
+                               "code": err.code}})
+    finally:
+        with anyio.CancelScope(shield=True):  # a disconnect lands here
+            await gen.aclose()  # VolundrTriton.stream then aborts the running sequence
+    yield "data: [DONE]\n\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    ap = argparse.ArgumentParser(prog="python -m volundr.clients.openai_proxy")
+    ap.add_argument("--triton-grpc", default="127.0.0.1:8001")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--served-model-name", default="volundr")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    args = ap.parse_args(argv)
+    cfg = ProxyConfig(args.triton_grpc, args.served_model_name, args.max_model_len)
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Triton deltas -> OpenAI response objects (chat.completion / text_completion, and chunks).
+
+With `tools`, text is streamed until a `<tool_call>` starts; the rest is held back, parsed with
+volundr.chat.parse_tool_calls at the end and sent as `tool_calls` (finish_reason "tool_calls").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from volundr.chat import parse_tool_calls
+from volundr.clients.openai_schema import ChatRequest, CompletionRequest, finish_reason
+from volundr.clients.triton import Delta
+from volundr.serve.stop import partial_stop_len
+
+TOOL_OPEN = "<tool_call>"
+
+
+def _usage(last: Delta | None) -> dict:
+    n_in = last.num_input_tokens if last else 0
+    n_out = last.num_output_tokens if last else 0
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def _tool_calls(calls: list[dict], indexed: bool) -> list[dict]:
+    out = []
+    for i, c in enumerate(calls):
+        tc = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+              "function": {"name": c["name"],
+                           "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+        out.append({"index": i, **tc} if indexed else tc)
+    return out
+
+
+class ChatRender:
+    id_prefix = "chatcmpl"
+
+    def __init__(self, req: ChatRequest, model: str):
+        self.req, self.model = req, model
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.tools = req.tools_active()
+        self.text = ""
+        self.sent = 0  # characters of self.text already streamed
+        self.holding = False  # a <tool_call> started: hold the rest for parsing
+
+    def _chunk(self, delta: dict, reason: str | None = None) -> dict:
+        obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                            "finish_reason": reason}]}
+        if self.req.include_usage():
+            obj["usage"] = None
+        return obj
+
+    def start(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def delta(self, d: Delta) -> list[dict]:
+        self.text += d.text
+        end = len(self.text)
+        if self.tools and not self.holding:
+            at = self.text.find(TOOL_OPEN, self.sent)
+            if at >= 0:
+                end, self.holding = at, True
+            else:
+                end -= partial_stop_len(self.text[self.sent:], [TOOL_OPEN])
+        elif self.holding:
+            end = self.sent
+        if end <= self.sent:
+            return []
+        piece, self.sent = self.text[self.sent:end], end
+        return [self._chunk({"content": piece})]
+
+    def finish(self, last: Delta | None) -> list[dict]:
+        out, reason = [], finish_reason(last.finish_reason if last else "stop")
+        tail = self.text[self.sent:]
+        calls = []
+        if self.tools and tail:
+            tail, calls = parse_tool_calls(tail)
+        if tail and (tail.strip() or not calls):
+            out.append(self._chunk({"content": tail}))
+        if calls:
+            out.append(self._chunk({"tool_calls": _tool_calls(calls, indexed=True)}))
+            reason = "tool_calls"
+        out.append(self._chunk({}, reason))
+        if self.req.include_usage():
+            obj = self._chunk({})
+            obj["choices"], obj["usage"] = [], _usage(last)
+            out.append(obj)
+        return out
+
+    def full(self, deltas: list[Delta]) -> dict:
+        last = deltas[-1] if deltas else None
+        text = "".join(d.text for d in deltas)
+        message: dict = {"role": "assistant", "content": text}
+        reason = finish_reason(last.finish_reason if last else "stop")
+        if self.tools:
+            rest, calls = parse_tool_calls(text)
+            if calls:
+                message["content"] = rest or None
+                message["tool_calls"] = _tool_calls(calls, indexed=False)
+                reason = "tool_calls"
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": reason}],
+                "usage": _usage(last)}
+
+
+class CompletionRender:
+    id_prefix = "cmpl"
+
+    def __init__(self, req: CompletionRequest, model: str):
+        self.req, self.model = req, model
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _chunk(self, text: str, reason: str | None = None) -> dict:
+        obj = {"id": self.id, "object": "text_completion", "created": self.created,
+               "model": self.model,
+               "choices": [{"index": 0, "text": text, "logprobs": None,
+                            "finish_reason": reason}]}
+        if self.req.include_usage():
+            obj["usage"] = None
+        return obj
+
+    def start(self) -> list[dict]:
+        return [self._chunk(self.req.text())] if self.req.echo else []
+
+    def delta(self, d: Delta) -> list[dict]:
+        return [self._chunk(d.text)] if d.text else []
+
+    def finish(self, last: Delta | None) -> list[dict]:
+        out = [self._chunk("", finish_reason(last.finish_reason if last else "stop"))]
+        if self.req.include_usage():
+            obj = self._chunk("")
+            obj["choices"], obj["usage"] = [], _usage(last)
+            out.append(obj)
+        return out
+
+    def full(self, deltas: list[Delta]) -> dict:
+        last = deltas[-1] if deltas else None
+        text = "".join(d.text for d in deltas)
+        if self.req.echo:
+            text = self.req.text() + text
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": finish_reason(last.finish_reason if last
+                                                            else "stop")}],
+                "usage": _usage(last)}

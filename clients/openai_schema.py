@@ -1,0 +1,130 @@
+"""OpenAI request bodies (validated with pydantic) and OpenAI-style error responses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; rendered as {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields (user, presence_penalty=0, ...) are accepted and ignored, as agent
+    # frameworks send many of them.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logprobs: bool | int | None = None
+
+    def limit(self) -> int | None:
+        n = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        if n is not None and n < 1:
+            field = "max_completion_tokens" if self.max_completion_tokens is not None \
+                else "max_tokens"
+            raise APIError(400, f"{field} must be at least 1, got {n}", param=field)
+        return n
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported; this server returns one choice "
+                           "(n=1)", param="n")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 16:
+            raise APIError(400, "at most 16 stop strings are supported", param="stop")
+        self.limit()
+
+    def stops(self) -> list[str] | None:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s] or None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    echo: bool = False
+
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise APIError(400, "send one prompt per request (a string)", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+def parse_body(raw: bytes, kind: type[BaseModel]) -> Any:
+    """Bytes of a request body -> a validated request model, or APIError(400)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte "
+                       f"{e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} "
+                       f"column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
+                       param=loc or None) from None
+    req.check()
+    return req
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+def finish_reason(reason: str) -> FinishReason:
+    return "length" if reason == "length" else "stop"

@@ -1,0 +1,86 @@
+"""preprocessing: a raw prompt or OpenAI chat messages -> input_ids with the checkpoint's chat
+template and tokenizer (dynamic batching: one execute may carry several requests)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tokenizers import Tokenizer
+
+from volundr.chat import load_chat_template, render_chat
+from volundr.serve.repo import model_parameters, resolve_model_dir
+
+
+def _text(request, name: str) -> str | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    arr = t.as_numpy().reshape(-1)
+    if arr.size != 1:
+        raise ValueError(f"invalid request: {name} must hold one string")
+    v = arr[0]
+    try:
+        return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+    except UnicodeDecodeError:
+        raise ValueError(f"invalid request: {name} is not valid UTF-8") from None
+
+
+def _json(request, name: str, kind: type):
+    raw = _text(request, name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid request: {name} is not valid JSON ({e})") from None
+    if value is not None and not isinstance(value, kind):
+        raise ValueError(f"invalid request: {name} must be a JSON {kind.__name__}")
+    return value
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        model_dir = resolve_model_dir(model_parameters(args["model_config"]).get("model_dir", ""))
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        try:
+            self.template = load_chat_template(model_dir)
+        except ValueError:
+            self.template = None  # raw prompts still work; messages get a clear error
+
+    def _prompt(self, request) -> str:
+        text = _text(request, "text_input")
+        messages = _json(request, "messages", list)
+        if (text is None) == (messages is None):
+            raise ValueError("invalid request: send exactly one of text_input and messages")
+        if text is not None:
+            if not text:
+                raise ValueError("invalid request: text_input is empty")
+            return text
+        if self.template is None:
+            raise ValueError("invalid request: this checkpoint has no chat template; "
+                             "send text_input")
+        tools = _json(request, "tools", list)
+        kwargs = _json(request, "chat_template_kwargs", dict) or {}
+        kwargs.pop("add_generation_prompt", None)
+        try:
+            return render_chat(self.template, messages, tools=tools or None, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"invalid request: {e}") from None
+        except TypeError as e:  # e.g. chat_template_kwargs naming messages or tools
+            raise ValueError(f"invalid request: chat_template_kwargs: {e}") from None
+
+    def execute(self, requests: list) -> list:
+        responses = []
+        for request in requests:
+            try:
+                ids = self.tokenizer.encode(self._prompt(request), add_special_tokens=False).ids
+            except ValueError as e:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                continue
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)),
+                pb_utils.Tensor("input_length", np.asarray([[len(ids)]], dtype=np.int32)),
+            ]))
+        return responses

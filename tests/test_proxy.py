@@ -1,0 +1,164 @@
+"""The OpenAI proxy with the official `openai` SDK and raw HTTP, against the real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.server
+MESSAGES = [{"role": "user", "content": "Tell me about Volundr the smith."}]
+
+
+@pytest.fixture(scope="module")
+def client(serving) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serving.proxy_url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(serving) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{serving.proxy_url}/v1", api_key="none", max_retries=0)
+
+
+def test_models_and_health(client, serving):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["volundr"]
+    assert httpx.get(f"{serving.proxy_url}/health").json() == {"status": "ok"}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_streamed_equals_not_streamed_greedy(client):
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=16, temperature=0.0,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 16 and whole.usage.prompt_tokens > 5
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 16
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_max_completion_tokens_and_seeded_sampling(client):
+    kw = dict(model="volundr", messages=MESSAGES, max_completion_tokens=6, temperature=1.0,
+              top_p=0.9, seed=1234, extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True})
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert a.usage.completion_tokens == 6
+    assert a.choices[0].message.content == b.choices[0].message.content  # same seed
+
+
+def test_async_client_streamed_and_not(aclient):
+    async def go():
+        kw = dict(model="volundr", messages=MESSAGES, max_tokens=8, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+        whole = await aclient.chat.completions.create(**kw)
+        stream = await aclient.chat.completions.create(**kw, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        # Several requests at once: continuous batching in one engine.
+        many = await asyncio.gather(*[aclient.chat.completions.create(
+            model="volundr", messages=[{"role": "user", "content": f"Question {i}"}],
+            max_tokens=6, extra_body={"ignore_eos": True}) for i in range(4)])
+        return whole, text, many
+
+    whole, text, many = asyncio.run(go())
+    assert text == whole.choices[0].message.content
+    assert all(r.usage.completion_tokens == 6 for r in many)
+
+
+def test_completions_streamed_and_not(client):
+    kw = dict(model="volundr", prompt="Once upon a time", max_tokens=10, temperature=0.0,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 10
+    echo = client.completions.create(**kw, echo=True)
+    assert echo.choices[0].text == "Once upon a time" + whole.choices[0].text
+
+
+def test_stop_strings(client):
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=16, temperature=0.0,
+              extra_body={"ignore_eos": True})
+    text = client.chat.completions.create(**kw).choices[0].message.content
+    stop = text[6:9]
+    cut = client.chat.completions.create(**kw, stop=[stop, "never-appears"])
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = list(client.chat.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[:text.index(stop)]
+
+
+def test_tools_reach_the_template(client):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=4, temperature=0.0)
+    plain = client.chat.completions.create(**kw)
+    with_tools = client.chat.completions.create(**kw, tools=tools, tool_choice="auto")
+    none = client.chat.completions.create(**kw, tools=tools, tool_choice="none")
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+BAD = [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({"model": "volundr"}).encode(), 400, "messages"),
+    (json.dumps({"model": "volundr", "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": "nope", "messages": MESSAGES}).encode(), 404, "does not exist"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "max_tokens": -5}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "temperature": -0.5}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": "volundr", "messages": [{"role": "user",
+                                                   "content": "forge " * 3000}]}).encode(),
+     400, "context"),
+    (b'{"model": "volundr", "messages": [{"role": "user", "content": "\xff\xfe bad"}]}', 400,
+     "UTF-8"),
+    (b'{"model": "volundr", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "surrogate"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "n": 3}).encode(), 400, "n=3"),
+    (json.dumps({"model": "volundr", "messages": [{"role": "robot", "content": "x"}]}).encode(),
+     400, "role"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD, ids=[
+    "malformed-json", "no-messages", "empty-messages", "unknown-model", "negative-max-tokens",
+    "negative-temperature", "prompt-too-long", "invalid-utf8", "lone-surrogate", "n3", "role"])
+def test_bad_input_is_a_clear_4xx_and_serving_goes_on(serving, client, body, status, needle):
+    for stream in (False, True):
+        if stream:
+            try:
+                body = json.dumps({**json.loads(body), "stream": True}).encode()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+        r = httpx.post(f"{serving.proxy_url}/v1/chat/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+    ok = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="n=3"):
+        client.chat.completions.create(model="volundr", messages=MESSAGES, n=3)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="volundr", prompt="forge " * 3000)
+    assert e.value.code == "context_length_exceeded"

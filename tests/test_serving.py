@@ -1,0 +1,190 @@
+"""The Triton side, against the real tritonserver started by `volundr-serve` (see conftest.py):
+tritonclient gRPC streaming to the ensemble and to volundr_llm, Triton's HTTP generate
+extension, perf_analyzer, cancellation and aborts visible in the engine stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tokenizers import Tokenizer
+
+from volundr.clients.triton import VolundrTriton, make_input
+from volundr.serve.triton_env import perf_analyzer_env
+
+pytestmark = pytest.mark.server
+PROMPT = "The smith Volundr forged"
+
+
+def grpc_stream(url: str, model: str, inputs: list, cancel_after: int | None = None,
+                request_id: str = "") -> list:
+    """tritonclient's callback streaming API; returns the results (raises on an error)."""
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    client.async_stream_infer(model, inputs, request_id=request_id)
+    results = []
+    try:
+        while True:
+            result, error = q.get(timeout=60)
+            if error is not None:
+                raise error
+            results.append(result)
+            params = result.get_response().parameters
+            if params["triton_final_response"].bool_param:
+                break
+            if cancel_after is not None and len(results) >= cancel_after:
+                break
+    finally:
+        client.stop_stream(cancel_requests=cancel_after is not None)
+        client.close()
+    return results
+
+
+def texts(results) -> list[str]:
+    return [r.as_numpy("text_output").reshape(-1)[0].decode() for r in results]
+
+
+def engine_stats(url: str) -> dict:
+    async def go():
+        async with VolundrTriton(url) as t:
+            return await t.stats()
+    return asyncio.run(go())
+
+
+def wait_idle(url: str, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = engine_stats(url)
+        idle = s["running"] == 0 and s["active_requests"] == 0
+        if (idle and s["num_blocks_free"] == s["num_blocks_total"]) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def test_grpc_stream_ensemble_text_and_messages(serving):
+    base = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    streamed = grpc_stream(serving.grpc_url, "volundr",
+                           VolundrTriton.inputs(text_input=PROMPT, stream=True, **base))
+    whole = grpc_stream(serving.grpc_url, "volundr", VolundrTriton.inputs(text_input=PROMPT,
+                                                                          **base))
+    assert len(streamed) > 1 and len(whole) == 1
+    assert "".join(texts(streamed)) == texts(whole)[0] != ""
+    last = streamed[-1]
+    assert last.as_numpy("finish_reason").reshape(-1)[0] == b"length"
+    assert int(last.as_numpy("num_output_tokens").reshape(-1)[0]) == 10
+    assert [r.as_numpy("finish_reason").reshape(-1)[0] for r in streamed[:-1]] == \
+        [b""] * (len(streamed) - 1)
+    msgs = json.dumps([{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": "Hi!"}])
+    chat = grpc_stream(serving.grpc_url, "volundr",
+                       VolundrTriton.inputs(messages=msgs, stream=True, **base))
+    n_in = int(chat[-1].as_numpy("num_input_tokens").reshape(-1)[0])
+    assert n_in > 10  # the chat template wrapped the messages
+
+
+def test_grpc_stream_volundr_llm_direct(serving, tiny_dir):
+    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
+    ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    base = dict(input_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True)
+    streamed = grpc_stream(serving.grpc_url, "volundr_llm",
+                           VolundrTriton.inputs(stream=True, **base))
+    whole = grpc_stream(serving.grpc_url, "volundr_llm", VolundrTriton.inputs(**base))
+    out = [i for r in streamed for i in r.as_numpy("output_ids").reshape(-1).tolist()]
+    assert out == whole[0].as_numpy("output_ids").reshape(-1).tolist() and len(out) == 8
+    # The ensemble's text is the decode of these ids.
+    ens = grpc_stream(serving.grpc_url, "volundr",
+                      VolundrTriton.inputs(text_input=PROMPT, max_tokens=8, temperature=0.0,
+                                           ignore_eos=True))
+    assert texts(ens)[0] == tok.decode(out, skip_special_tokens=False)
+
+
+def test_http_generate_and_generate_stream(serving):
+    body = {"text_input": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    url = f"{serving.http_url}/v2/models/volundr"
+    whole = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    with httpx.stream("POST", f"{url}/generate_stream", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) > 1 and events[-1]["finish_reason"] == "length"
+    assert "".join(e["text_output"] for e in events) == whole.json()["text_output"]
+
+
+def test_perf_analyzer_streaming_grpc(serving, tmp_path):
+    exe = Path(sys.executable).parent / "perf_analyzer"
+    data = {"data": [{"text_input": ["Tell me about the forge."], "max_tokens": [8],
+                      "temperature": [0.0], "ignore_eos": [True], "stream": [True]}]}
+    (tmp_path / "input.json").write_text(json.dumps(data))
+    cmd = [str(exe), "-m", "volundr", "-i", "grpc", "-u", serving.grpc_url, "--streaming",
+           "--async", "--concurrency-range", "4", "--input-data", str(tmp_path / "input.json"),
+           "--request-count", "24"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=perf_analyzer_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"Concurrency: 4, throughput: ([\d.]+) infer/sec", p.stdout)
+    assert m and float(m.group(1)) > 0, p.stdout
+
+
+def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
+    cases = [
+        (dict(text_input="x", messages='[{"role": "user", "content": "y"}]'), "exactly one"),
+        (dict(messages="not json"), "not valid JSON"),
+        (dict(messages='[{"role": "robot", "content": "y"}]'), "unknown role"),
+        (dict(text_input="x", max_tokens=-2), "max_tokens"),
+        (dict(text_input="x", temperature=-1.0), "temperature"),
+        (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
+    ]
+    for fields, needle in cases:
+        with pytest.raises(Exception, match=needle):
+            grpc_stream(serving.grpc_url, "volundr", VolundrTriton.inputs(**fields))
+    with pytest.raises(Exception, match="batch size 1"):
+        inp = grpcclient.InferInput("input_ids", [2, 3], "INT32")
+        inp.set_data_from_numpy(np.ones((2, 3), np.int32))
+        grpc_stream(serving.grpc_url, "volundr_llm", [inp])
+    ok = grpc_stream(serving.grpc_url, "volundr",
+                     VolundrTriton.inputs(text_input="fine", max_tokens=2, ignore_eos=True))
+    assert ok[-1].as_numpy("finish_reason").reshape(-1)[0] == b"length"
+
+
+def test_cancelling_a_direct_volundr_llm_stream_frees_its_sequence(serving):
+    inputs = [make_input("input_ids", [20, 21, 22, 23]), make_input("max_tokens", 1500),
+              make_input("ignore_eos", True), make_input("stream", True)]
+    got = grpc_stream(serving.grpc_url, "volundr_llm", inputs, cancel_after=3)
+    assert len(got) == 3
+    s = wait_idle(serving.grpc_url)
+    assert s["running"] == 0 and s["num_blocks_free"] == s["num_blocks_total"], s
+    assert s["num_slots_free"] == s["num_slots_total"], s
+
+
+def test_client_disconnect_aborts_sequence_and_frees_blocks(serving):
+    """A client of the OpenAI proxy goes away mid-stream: the proxy aborts the sequence (Triton
+    2.51 does not pass the cancellation of an ensemble request on to the running step)."""
+    body = {"model": "volundr", "messages": [{"role": "user", "content": "a long story"}],
+            "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{serving.proxy_url}/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        n, during = 0, None
+        for line in r.iter_lines():
+            n += line.startswith("data:")
+            if n == 4:
+                during = engine_stats(serving.grpc_url)  # still reading: the sequence runs
+                break  # leaving the loop closes the response: the client is gone
+        assert during["running"] == 1 and during["num_blocks_free"] < during["num_blocks_total"]
+    t0 = time.monotonic()
+    after = wait_idle(serving.grpc_url)
+    assert after["running"] == 0 and after["active_requests"] == 0, after
+    assert after["num_blocks_free"] == after["num_blocks_total"], after
+    assert after["num_slots_free"] == after["num_slots_total"], after
+    assert time.monotonic() - t0 < 10  # aborted, not run to its 1500 tokens

@@ -1,0 +1,104 @@
+"""volundr-serve without starting a server: the model repository files, their filled runtime
+copy, the backend directory, and one-line errors for what a user can fix."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from volundr.serve.profiles import PROFILES, profiles_table
+from volundr.serve.repo import MODELS, model_parameters, source_repository, write_runtime_repository
+from volundr.serve.triton_env import find_triton, server_env
+
+
+def parse(path: Path) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def test_repository_in_git_is_valid():
+    repo = source_repository()
+    cfgs = {m: parse(repo / m / "config.pbtxt") for m in MODELS}
+    assert {m: c.name for m, c in cfgs.items()} == {m: m for m in MODELS}
+    assert cfgs["volundr_llm"].model_transaction_policy.decoupled
+    assert cfgs["preprocessing"].HasField("dynamic_batching")
+    steps = [s.model_name for s in cfgs["volundr"].ensemble_scheduling.step]
+    assert steps == ["preprocessing", "volundr_llm", "postprocessing"]
+    for m in ("preprocessing", "volundr_llm", "postprocessing"):
+        assert (repo / m / "1" / "model.py").exists()
+        assert cfgs[m].parameters["model_dir"].string_value == ""  # filled at launch
+    # Every ensemble input reaches a model input of the same name.
+    llm_inputs = {i.name for i in cfgs["volundr_llm"].input}
+    pre_inputs = {i.name for i in cfgs["preprocessing"].input}
+    assert {i.name for i in cfgs["volundr"].input} <= llm_inputs | pre_inputs
+
+
+def test_runtime_copy_is_filled(tmp_path):
+    params = {"volundr_llm": {"model_dir": '/models/a "b"', "max_num_seqs": "3"},
+              "preprocessing": {"model_dir": "/models/x"}}
+    out = write_runtime_repository(tmp_path / "repo", params, max_inflight=32)
+    llm = parse(out / "volundr_llm" / "config.pbtxt")
+    assert llm.parameters["model_dir"].string_value == '/models/a "b"'
+    assert llm.parameters["max_num_seqs"].string_value == "3"
+    assert parse(out / "preprocessing" / "config.pbtxt").parameters["model_dir"].string_value \
+        == "/models/x"
+    assert "max_inflight_requests: 32" in (out / "volundr" / "config.pbtxt").read_text()
+    assert model_parameters({"parameters": {"k": {"string_value": "v"}}}) == {"k": "v"}
+    with pytest.raises(KeyError):
+        write_runtime_repository(tmp_path / "r2", {"volundr_llm": {"no_such_key": "1"}})
+
+
+def test_backend_dir_has_the_stub_for_this_python(tmp_path):
+    if os.environ.get("TRITONSERVER"):
+        pytest.skip("using $TRITONSERVER")
+    inst = find_triton(tmp_path)
+    py = inst.backend_dir / "python"
+    assert (py / "libtriton_python.so").exists()
+    assert os.access(py / "triton_python_backend_stub", os.X_OK)
+    env = server_env(inst)
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+
+
+def test_profiles():
+    assert set(PROFILES) == {"cpu", "16gb", "24gb", "48gb"}
+    assert PROFILES["cpu"].device == "cpu" and PROFILES["cpu"].gpu_gib is None
+    assert all(PROFILES[p].gpu_gib < int(p[:2]) for p in ("16gb", "24gb", "48gb"))
+    assert profiles_table().count("\n") == len(PROFILES) + 1
+
+
+def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "volundr.serve.launcher", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def _one_line_error(p: subprocess.CompletedProcess, needle: str) -> None:
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and needle in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_port_in_use_is_one_line(tiny_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = _serve("--model", str(tiny_dir), "--http-port", str(port))
+    _one_line_error(p, f"port {port} (HTTP) is already in use")
+
+
+def test_missing_model_is_one_line():
+    _one_line_error(_serve("--model", "/no/such/checkpoint"), "/no/such/checkpoint")
+
+
+def test_missing_tritonserver_is_one_line(tiny_dir, tmp_path):
+    p = _serve("--model", str(tiny_dir), "--http-port", "0", "--grpc-port", "0",
+               "--metrics-port", "0", "--proxy-port", "0",
+               env={"TRITONSERVER": str(tmp_path / "tritonserver")})
+    _one_line_error(p, "TRITONSERVER")

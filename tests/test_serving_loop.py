@@ -1,0 +1,149 @@
+"""The engine thread of volundr_llm (EngineLoop) with the real tiny model, outside Triton."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from volundr.sampling_params import SamplingParams
+from volundr.serve.detok import text_delta
+from volundr.serve.triton_llm import Chunk, EngineLoop
+
+
+class CollectingSink:
+    """What volundr_llm's response sender does, recorded; `cancel_after` chunks it reports the
+    request cancelled (as a client that went away)."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.chunks: list[Chunk] = []
+        self.errors: list[str] = []
+        self.done = threading.Event()
+        self.cancel_after = cancel_after
+        self.finals = 0
+
+    def send(self, chunk: Chunk, final: bool) -> None:
+        self.chunks.append(chunk)
+        if final:
+            self.finals += 1
+            self.done.set()
+
+    def error(self, message: str) -> None:
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.chunks) >= self.cancel_after
+
+    def text(self, tok) -> str:
+        return "".join(text_delta(tok, c.prefix_ids, c.output_ids)[:len(text_delta(
+            tok, c.prefix_ids, c.output_ids)) - c.trim_chars] for c in self.chunks)
+
+
+PROMPT = "Hello there, how are you?"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    from volundr.llm import LLM
+
+    return LLM(tiny_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=128,
+               max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def offline(llm) -> list[int]:
+    """Greedy ids of PROMPT from the offline API, before the loop owns the engine."""
+    return llm.generate([PROMPT], greedy(12))[0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def loop(llm, offline):
+    lp = EngineLoop(llm).start()
+    yield lp
+    lp.shutdown()
+
+
+def stats(lp: EngineLoop) -> dict:
+    q: queue.Queue = queue.Queue()
+    lp.stats(q.put)
+    return q.get(timeout=30)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_streamed_equals_offline_generate(loop, offline):
+    tok = loop.llm.tokenizer
+    prompt = tok.encode(PROMPT, add_special_tokens=False).ids
+    expected = offline
+    a, b = CollectingSink(), CollectingSink()
+    loop.submit("a", prompt, greedy(12), (), True, a)
+    loop.submit("b", prompt, greedy(12), (), False, b)
+    assert a.done.wait(60) and b.done.wait(60)
+    assert [i for c in a.chunks for i in c.output_ids] == expected
+    assert len(b.chunks) == 1 and b.chunks[0].output_ids == expected
+    assert a.text(tok) == b.text(tok) == tok.decode(expected, skip_special_tokens=False)
+    assert a.chunks[-1].finish_reason == "length" and a.finals == 1
+    assert a.chunks[-1].num_output_tokens == 12 and a.chunks[-1].num_input_tokens == len(prompt)
+
+
+def test_stop_string_ends_early_and_frees(loop):
+    tok = loop.llm.tokenizer
+    prompt = tok.encode("Once upon a time", add_special_tokens=False).ids
+    full = CollectingSink()
+    loop.submit("full", prompt, greedy(16), (), True, full)
+    assert full.done.wait(60)
+    text = full.text(tok)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    s = CollectingSink()
+    loop.submit("stop", prompt, greedy(16), (stop,), True, s)
+    assert s.done.wait(60)
+    assert s.chunks[-1].finish_reason == "stop"
+    assert s.text(tok) == text[:text.index(stop)]
+    st = stats(loop)
+    assert st["running"] == 0 and st["num_blocks_free"] == st["num_blocks_total"]
+
+
+def test_cancel_aborts_and_frees(loop):
+    tok = loop.llm.tokenizer
+    prompt = tok.encode("Tell me a long story", add_special_tokens=False).ids
+    s = CollectingSink(cancel_after=2)
+    loop.submit("c", prompt, greedy(400), (), True, s)
+    assert s.done.wait(60)
+    assert s.chunks[-1].finish_reason == "abort" and s.finals == 1
+    assert s.chunks[-1].num_output_tokens < 400
+    st = stats(loop)
+    assert st["running"] == 0 and st["active_requests"] == 0
+    assert st["num_blocks_free"] == st["num_blocks_total"]
+    assert st["num_slots_free"] == st["num_slots_total"]
+
+
+def test_abort_by_triton_id_and_tombstone(loop):
+    tok = loop.llm.tokenizer
+    prompt = tok.encode("abc", add_special_tokens=False).ids
+    s = CollectingSink()
+    loop.submit("req-1", prompt, greedy(400), (), True, s)
+    q: queue.Queue = queue.Queue()
+    loop.abort("req-1", q.put)
+    after = q.get(timeout=30)
+    assert s.done.wait(30) and s.chunks[-1].finish_reason == "abort"
+    assert after["aborted"] == 1 and after["running"] == 0
+    # An abort that arrives before its request (client gone during preprocessing).
+    loop.abort("req-2", q.put)
+    assert q.get(timeout=30)["aborted"] == 0
+    late = CollectingSink()
+    loop.submit("req-2", prompt, greedy(400), (), True, late)
+    assert late.done.wait(30) and late.chunks[-1].finish_reason == "abort"
+    assert late.chunks[-1].num_output_tokens == 0
+
+
+def test_bad_request_is_an_error_and_the_loop_keeps_serving(loop):
+    s = CollectingSink()
+    loop.submit("long", list(range(20, 600)), greedy(4), (), True, s)
+    assert s.done.wait(30) and s.errors and s.errors[0].startswith("prompt too long")
+    ok = CollectingSink()
+    loop.submit("ok", [20, 21, 22], greedy(3), (), True, ok)
+    assert ok.done.wait(60) and ok.chunks[-1].finish_reason == "length"
