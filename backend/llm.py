@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,12 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
     if not plan.fits:
         raise ValueError(f"the model does not fit a {gpu_gib:.1f} GiB GPU budget:\n"
                          f"{plan.describe()}")
-    return min(plan.kv_gpu_tokens // block_size, max_num_seqs * per_seq)
+    blocks = min(plan.kv_gpu_tokens // block_size, max_num_seqs * per_seq)
+    if blocks < per_seq:
+        warnings.warn(f"a {gpu_gib:g} GiB budget holds {blocks * block_size} tokens of attention "
+                      f"KV; the context is capped to that (asked for {max_model_len})",
+                      stacklevel=3)
+    return blocks
 
 
 class LLM:
@@ -63,6 +69,7 @@ class LLM:
             num_kv_blocks = _default_kv_blocks(cfg, dev, gpu_gib, max_num_seqs,
                                                max_num_batched_tokens, self.max_model_len,
                                                block_size, tensor_parallel_size)
+            self.max_model_len = min(self.max_model_len, num_kv_blocks * block_size)
         ecfg = EngineConfig(device=str(dev), dtype=dtype, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=block_size,

@@ -30,12 +30,12 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile("cpu", "cpu", None, 8, 256, 2048, 16, 64,
                 "tests, CI and the tiny checkpoint on any machine"),
-        Profile("16gb", "cuda", 15.0, 4, 2048, 32768, 64, 64,
-                "16 GB GPUs (RTX 4080, RTX 4060 Ti 16 GB, T4)"),
-        Profile("24gb", "cuda", 23.0, 8, 4096, 65536, 64, 128,
-                "24 GB GPUs (RTX 3090/4090, L4, A10)"),
+        Profile("16gb", "cuda", 16.0, 1, 2048, 262144, 64, 8,
+                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)"),
+        Profile("24gb", "cuda", 23.0, 4, 4096, 262144, 64, 32,
+                "24 GB GPUs: server, 4 concurrent (RTX 3090/4090, L4, A10)"),
         Profile("48gb", "cuda", 46.0, 16, 8192, 262144, 128, 256,
-                "48 GB and larger (L40S, A6000, A100, H100, H200)"),
+                "48 GB and larger: server, 16 concurrent (L40S, A6000, A100, H100, H200)"),
     )
 }
 
