@@ -68,7 +68,10 @@ def test_backend_dir_has_the_stub_for_this_python(tmp_path):
 def test_profiles():
     assert set(PROFILES) == {"cpu", "16gb", "24gb", "48gb"}
     assert PROFILES["cpu"].device == "cpu" and PROFILES["cpu"].gpu_gib is None
-    assert all(PROFILES[p].gpu_gib < int(p[:2]) for p in ("16gb", "24gb", "48gb"))
+    # The product page's budgets and concurrency: 16 GiB / 1, 23 GiB / 4, 46 GiB / 16.
+    assert [(PROFILES[p].gpu_gib, PROFILES[p].max_num_seqs) for p in ("16gb", "24gb", "48gb")] \
+        == [(16.0, 1), (23.0, 4), (46.0, 16)]
+    assert all(PROFILES[p].max_model_len == 262144 for p in ("16gb", "24gb", "48gb"))
     assert profiles_table().count("\n") == len(PROFILES) + 1
 
 
