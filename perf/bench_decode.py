@@ -83,9 +83,9 @@ def random_quantized_state_dict(cfg, device: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     for name, spec in expected_tensors(cfg).items():
         module = name.removesuffix(".weight")
-        if module not in bits:
-            dev = "cpu" if spec.part in ("embedding", "engram") else device
-            out[name] = init_tensor(name, spec, cfg, 0, dev, torch.bfloat16)
+        if module not in bits:  # host tables: drawn on the GPU (fast), kept on the host
+            t = init_tensor(name, spec, cfg, 0, device, torch.bfloat16)
+            out[name] = t.cpu() if spec.part in ("embedding", "engram") else t
             continue
         b, (n, k) = bits[module], spec.shape
         g = group_size_for(k, cfg.quantization.group_size)
