@@ -1,0 +1,59 @@
+"""What `volundr.ops` calls for KDA on CUDA tensors (same arguments as `ops.kda_mixer` and
+`ops.causal_conv`).
+
+kda_mixer: the state pool is read and written in place at `slot_ids`. Steps where every sequence
+has at most `DECODE_MAX_LEN` new tokens (decode, speculative verification) take the one-launch
+token-by-token kernel; anything longer takes the chunked kernels over the whole packed batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from volundr.kernels.kda.chunk import chunk_kda
+from volundr.kernels.kda.conv import causal_conv1d
+from volundr.kernels.kda.fused_recurrent import fused_recurrent_kda
+
+# Up to this many tokens per sequence the recurrent kernel (one pass over the state per token)
+# beats two chunked launches plus their intermediates.
+DECODE_MAX_LEN = 16
+
+
+def _max_len(cu_list: list[int], T: int) -> int:
+    if T == len(cu_list) - 1:          # as many tokens as sequences: one each (or the cheap case)
+        return 1
+    return max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+
+
+def kda_mixer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
+              cu_seqlens: torch.Tensor, cu_list: list[int], scale: float) -> torch.Tensor:
+    """KDA over packed sequences. q, k [T, H, K] (pre-L2-norm, any token stride); v [T, H, V];
+    g [T, H, K] log decay; beta [T, H] (after sigmoid); state [slots, H, K, V] fp32, rows
+    slot_ids [N] updated in place; cu_seqlens [N + 1] int32 (cu_list: the same on the host).
+    Returns o [T, H, V] in v.dtype."""
+    args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0))
+    T, N = q.shape[0], len(cu_list) - 1
+    if T == N and cu_list == list(range(N + 1)):
+        # decode: one token per sequence
+        o, _ = fused_recurrent_kda(*args, scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
+                                   ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True,
+                                   one_token_per_seq=True)
+    elif _max_len(cu_list, T) <= DECODE_MAX_LEN:
+        o, _ = fused_recurrent_kda(*args, scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
+                                   ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True)
+    else:
+        o, _ = chunk_kda(*args, scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
+                         cu_seqlens_cpu=cu_list, ssm_state_indices=slot_ids,
+                         use_qk_l2norm_in_kernel=True)
+    return o.squeeze(0)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal conv (+ SiLU) over packed sequences. x [T, C]; weight [C, W];
+    conv_state [slots, C, W - 1] updated in place at rows slot_ids [N]. Returns y [T, C].
+    An engine step never holds an empty sequence, so T == N means one token each (decode)."""
+    return causal_conv1d(x, weight, conv_state, cu_seqlens, slot_ids, activation,
+                         one_token_per_seq=x.shape[0] == slot_ids.shape[0])

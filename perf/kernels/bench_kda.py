@@ -1,0 +1,294 @@
+"""KDA kernels vs flash-linear-attention on the GPU, at Volundr-32B shapes (H = 40, K = V = 128).
+
+Prefill: `chunk_kda` (ours and fla's) on one sequence of T tokens, bf16 q/k/v, fp32 g/beta, q/k
+L2 norm in the kernel, initial state in and final state out. Decode: one token for each of B
+sequences through `fused_recurrent_kda` (ours and fla's), and our engine path (conv + KDA mixer
+over a state pool, what one KDA layer runs per decode step), eager and replayed from a CUDA graph.
+Medians of `triton.testing.do_bench`. Writes kda_bench.{json,csv,png} under --out.
+
+    python perf/kernels/bench_kda.py --out "$OUT" [--prefill 4096,32768,131072] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from volundr.kernels.kda import chunk as ours_chunk
+from volundr.kernels.kda import engine
+from volundr.kernels.kda.fused_recurrent import fused_recurrent_kda
+from volundr.kernels.kda.naive import kda_gate
+
+H, K, V = 40, 128, 128
+dev = "cuda"
+try:
+    import fla.ops.kda as fla_kda
+except Exception as e:  # report and carry on with ours only
+    print(f"fla not importable: {e!r}")
+    fla_kda = None
+
+
+def inputs(B: int, T: int):
+    q, k, v = (torch.randn(B, T, H, d, device=dev, dtype=torch.bfloat16) for d in (K, K, V))
+    A_log = torch.rand(H, device=dev) * 2.0 - 1.0
+    g = kda_gate(torch.randn(B, T, H, K, device=dev), A_log, torch.randn(H * K, device=dev))
+    beta = torch.randn(B, T, H, device=dev).sigmoid()
+    h0 = torch.randn(B, H, K, V, device=dev) * 0.1
+    return q, k, v, g, beta, h0
+
+
+def med(fn, rep=100) -> float:
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")  # ms
+
+
+def graphed(fn, rep=100) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fn()
+    return med(gr.replay, rep)
+
+
+def host_us(fn, n=300) -> float:
+    """Host (Python + launch) time per call, with the GPU kept ahead."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def decode_sweep(log) -> None:
+    """Graph-replayed time of our decode kernel per launch setting (BV, warps)."""
+    for B in (1, 64):
+        x = inputs(B, 1)
+        kw = dict(initial_state=x[5], ssm_state_indices=torch.arange(B, device=dev),
+                  use_qk_l2norm_in_kernel=True)
+        for bv, nw in ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)):
+            def fn(x=x, kw=kw, bv=bv, nw=nw):
+                return fused_recurrent_kda(*x[:5], BV=bv, num_warps=nw, **kw)
+            log(dict(kind="decode_sweep", B=B, BV=bv, warps=nw, graph_us=graphed(fn) * 1e3))
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def prefill_call(mod, x):
+    q, k, v, g, beta, h0 = x
+    return mod.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+
+
+def sweep(T: int, log) -> None:
+    """Pick the launch settings of our two prefill kernels at T tokens (sets chunk.CONFIG):
+    first the intra kernel's, then the recurrence's with the best intra settings."""
+    x = inputs(1, T)
+    intra = [dict(intra_BK=bk, intra_warps=w) for bk, w in ((32, 4), (64, 8), (32, 8))]
+    fwd = [dict(fwd_BV=bv, fwd_warps=w, fwd_stages=s)  # (num_stages=1 hit an illegal address)
+           for bv, w, s in ((32, 4, 2), (64, 4, 2), (16, 4, 2), (64, 8, 2), (64, 4, 3))]
+    for phase in (intra, fwd):
+        base, best = dict(ours_chunk.CONFIG), None
+        for cfg in phase:
+            ours_chunk.CONFIG.update(base, **cfg)
+            try:
+                t = med(lambda: prefill_call(ours_chunk, x))
+            except Exception as e:
+                log(dict(kind="sweep", T=T, cfg=cfg, error=repr(e)[:300]))
+                continue
+            log(dict(kind="sweep", T=T, cfg=cfg, ms=t))
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        ours_chunk.CONFIG.update(base, **(best[1] if best else {}))
+    log(dict(kind="config", config=dict(ours_chunk.CONFIG)))
+
+
+def breakdown(T: int, log) -> None:
+    """Kernel times of one prefill call, ours and fla's (torch profiler)."""
+    x = inputs(1, T)
+    for name, mod in (("ours", ours_chunk), ("fla", fla_kda)):
+        if mod is None:
+            continue
+        prefill_call(mod, x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                prefill_call(mod, x)
+            torch.cuda.synchronize()
+        ev = {e.key: round(e.device_time_total / 3 / 1000, 4) for e in prof.key_averages()
+              if e.device_time_total > 0}
+        log(dict(kind="breakdown", impl=name, T=T, kernels_ms=ev))
+
+
+def prefill_one(T: int) -> dict:
+    x = inputs(1, T)
+    r = dict(kind="prefill", T=T, ours_ms=med(lambda: prefill_call(ours_chunk, x), rep=200))
+    if fla_kda is not None:
+        r["fla_ms"] = med(lambda: prefill_call(fla_kda, x), rep=200)
+        r["ratio"] = r["fla_ms"] / r["ours_ms"]
+        (o1, s1), (o2, s2) = prefill_call(ours_chunk, x), prefill_call(fla_kda, x)
+        r["rel_o_vs_fla"], r["rel_state_vs_fla"] = rel(o1, o2), rel(s1, s2)
+    r["ours_Mtok_s"] = T / r["ours_ms"] / 1e3
+    return r
+
+
+def decode_one(B: int) -> dict:
+    q, k, v, g, beta, h0 = inputs(B, 1)
+    r = dict(kind="decode", B=B)
+
+    def pub(mod):
+        return lambda: mod.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0,
+                                               output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+    r["ours_us"], r["ours_graph_us"] = med(pub(_Ours)) * 1e3, graphed(pub(_Ours)) * 1e3
+    if fla_kda is not None:
+        r["fla_us"], r["fla_graph_us"] = med(pub(fla_kda)) * 1e3, graphed(pub(fla_kda)) * 1e3
+        r["ratio_eager"] = r["fla_us"] / r["ours_us"]
+        r["ratio_graph"] = r["fla_graph_us"] / r["ours_graph_us"]
+        (o1, s1), (o2, s2) = pub(_Ours)(), pub(fla_kda)()
+        r["rel_o_vs_fla"], r["rel_state_vs_fla"] = rel(o1, o2), rel(s1, s2)
+    # the engine's layer step: conv over q|k|v with its state, then the KDA mixer in place
+    slots = B + 7
+    pool = torch.randn(slots, H, K, V, device=dev) * 0.1
+    ids = torch.randperm(slots, device=dev)[:B]
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    cu_list = cu.tolist()
+    C = 3 * H * K
+    xc = torch.randn(B, C, device=dev, dtype=torch.bfloat16)
+    wc = torch.randn(C, 4, device=dev, dtype=torch.bfloat16)
+    cs = torch.randn(slots, C, 3, device=dev, dtype=torch.bfloat16)
+    g0, b0 = g[:, 0], beta[:, 0]
+
+    def mixer(y=xc):
+        qq, kk, vv = y.view(B, 3, H, K).unbind(1)
+        return engine.kda_mixer(qq, kk, vv, g0, b0, pool, ids, cu, cu_list, K ** -0.5)
+
+    def conv():
+        return engine.causal_conv(xc, wc, cs, ids, cu, "silu")
+
+    def layer():
+        return mixer(conv())
+    for name, fn in (("mixer", mixer), ("conv", conv), ("layer", layer)):
+        r[f"{name}_us"], r[f"{name}_graph_us"] = med(fn) * 1e3, graphed(fn) * 1e3
+        r[f"{name}_host_us"] = host_us(fn)
+    r["state_GBps_graph"] = 2 * B * H * K * V * 4 / (r["mixer_graph_us"] * 1e-6) / 1e9
+    return r
+
+
+def prefill(Ts, log) -> list[dict]:
+    rows = []
+    for T in Ts:
+        rows.append(log(prefill_one(T)))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode(Bs, log) -> list[dict]:
+    return [log(decode_one(B)) for B in Bs]
+
+
+class _Ours:
+    fused_recurrent_kda = staticmethod(fused_recurrent_kda)
+
+
+def plot(pre, dec, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    Ts = [r["T"] for r in pre]
+    a.loglog(Ts, [r["ours_ms"] for r in pre], "o-", label="volundr chunk_kda")
+    if pre and "fla_ms" in pre[0]:
+        a.loglog(Ts, [r["fla_ms"] for r in pre], "s--", label="fla chunk_kda")
+        for r in pre:
+            a.annotate(f'{r["ratio"]:.2f}x', (r["T"], r["ours_ms"]), textcoords="offset points",
+                       xytext=(0, -14), ha="center", fontsize=8)
+    a.set(xlabel="tokens T (one sequence)", ylabel="ms per layer",
+          title="KDA prefill, H=40, K=V=128 (label: fla / ours)")
+    a.legend()
+    Bs = [r["B"] for r in dec]
+    for key, st, lab in (("ours_us", "o-", "volundr fused_recurrent (eager)"),
+                         ("ours_graph_us", "o:", "volundr (CUDA graph)"),
+                         ("fla_us", "s--", "fla fused_recurrent (eager)"),
+                         ("fla_graph_us", "s:", "fla (CUDA graph)"),
+                         ("layer_graph_us", "^-", "volundr conv+mixer layer (graph)")):
+        if dec and key in dec[0]:
+            b.loglog(Bs, [r[key] for r in dec], st, label=lab)
+    b.axhline(10, color="gray", lw=0.8)
+    b.set(xlabel="batch (sequences, one token each)", ylabel="us per layer",
+          title="KDA decode step")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--prefill", default="4096,16384,32768,65536,131072,262144")
+    ap.add_argument("--decode", default="1,8,32,64")
+    ap.add_argument("--sweep", action="store_true",
+                    help="tune our launch settings, write them to OUT/kda_config.json and stop")
+    args = ap.parse_args()
+    cfg_path = os.path.join(args.out, "kda_config.json")
+    os.makedirs(args.out, exist_ok=True)
+    jl = open(os.path.join(args.out, "kda_sweep.jsonl" if args.sweep else "kda_bench.jsonl"), "w")
+
+    def log(d):
+        print(json.dumps(d), flush=True)
+        jl.write(json.dumps(d) + "\n")
+        jl.flush()
+        return d
+    log(dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+             triton=triton.__version__, fla=getattr(sys.modules.get("fla"), "__version__", None),
+             time=time.strftime("%Y-%m-%d %H:%M:%S")))
+    if args.sweep:  # in its own process: a crash here must not take the measurements with it
+        decode_sweep(log)
+        sweep(32768, log)
+        with open(cfg_path, "w") as f:
+            json.dump(ours_chunk.CONFIG, f)
+        return
+    if os.path.exists(cfg_path):
+        ours_chunk.CONFIG.update(json.load(open(cfg_path)))
+        log(dict(kind="config", config=dict(ours_chunk.CONFIG)))
+    dec = decode([int(b) for b in args.decode.split(",")], log)
+    pre = prefill([int(t) for t in args.prefill.split(",")], log)
+    breakdown(32768, log)
+    with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
+        json.dump(dict(prefill=pre, decode=dec, config=ours_chunk.CONFIG), f, indent=1)
+    with open(os.path.join(args.out, "kda_bench.csv"), "w", newline="") as f:
+        keys = sorted({k for r in pre + dec for k in r})
+        wr = csv.DictWriter(f, keys)
+        wr.writeheader()
+        wr.writerows(pre + dec)
+    plot(pre, dec, os.path.join(args.out, "kda_bench.png"))
+    print("prefill:  T  ours_ms  fla_ms  fla/ours")
+    for r in pre:
+        print(f'{r["T"]:>8} {r["ours_ms"]:8.3f} {r.get("fla_ms", float("nan")):8.3f} '
+              f'{r.get("ratio", float("nan")):6.2f}')
+    print("decode:  B  ours_us(eager/graph)  fla_us(eager/graph)  layer_us(eager/graph)")
+    for r in dec:
+        print(f'{r["B"]:>6} {r["ours_us"]:7.1f}/{r["ours_graph_us"]:6.1f} '
+              f'{r.get("fla_us", float("nan")):7.1f}/{r.get("fla_graph_us", float("nan")):6.1f} '
+              f'{r["layer_us"]:7.1f}/{r["layer_graph_us"]:6.1f}')
+
+
+if __name__ == "__main__":
+    main()
