@@ -4,8 +4,9 @@
 
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Streaming is SSE
 ending in `data: [DONE]`. Errors are OpenAI error JSON: 400 invalid request or prompt longer
-than the context, 404 unknown model, 503 Triton unavailable. A client that disconnects gets its
-Triton request cancelled and its sequence aborted (blocks and state slot freed).
+than the context, 404 unknown model, 429 server busy (backpressure), 503 Triton unavailable.
+A client that disconnects gets its Triton request cancelled and its sequence aborted (blocks and
+state slot freed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def triton_error(e: Exception) -> APIError:
     if isinstance(e, TritonUnavailable):
         return APIError(503, str(e), "service_unavailable", code="service_unavailable")
     msg = str(e)
+    if "server busy:" in msg:
+        return APIError(429, msg[msg.find("server busy:"):], "rate_limit_error",
+                        code="server_busy")
     for marker, code in (("prompt too long:", "context_length_exceeded"),
                          ("invalid request:", None)):
         at = msg.find(marker)

@@ -79,3 +79,16 @@ def test_without_tools_the_text_is_kept():
     chunks = r.start() + [c for d in ds for c in r.delta(d)] + r.finish(ds[-1])
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == GENERATED
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_server_errors_map_to_openai_statuses():
+    from volundr.clients.openai_proxy import triton_error
+
+    busy = triton_error(RuntimeError("[StatusCode.INTERNAL] server busy: 8 requests in flight "
+                                     "(limit 8); retry later"))
+    assert (busy.status, busy.code) == (429, "server_busy")
+    assert busy.message.startswith("server busy")
+    long = triton_error(RuntimeError("prompt too long: the prompt has 9000 tokens"))
+    assert (long.status, long.code) == (400, "context_length_exceeded")
+    assert triton_error(RuntimeError("invalid request: bad seed")).status == 400
+    assert triton_error(RuntimeError("something else")).status == 500

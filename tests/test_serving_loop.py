@@ -147,3 +147,24 @@ def test_bad_request_is_an_error_and_the_loop_keeps_serving(loop):
     ok = CollectingSink()
     loop.submit("ok", [20, 21, 22], greedy(3), (), True, ok)
     assert ok.done.wait(60) and ok.chunks[-1].finish_reason == "length"
+
+
+def test_backpressure_refuses_past_the_in_flight_limit(llm, loop):
+    """A second loop on the same (idle) engine, limited to 2 requests in flight."""
+    loop.shutdown()  # one thread owns the engine at a time
+    lp = EngineLoop(llm, max_in_flight=2).start()
+    try:
+        prompt = llm.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+        sinks = [CollectingSink() for _ in range(3)]
+        for i, s in enumerate(sinks):
+            lp.submit(f"bp-{i}", prompt, greedy(40), (), True, s)
+        for s in sinks:
+            assert s.done.wait(120)
+        assert sinks[2].errors and "server busy" in sinks[2].errors[0]
+        assert not sinks[0].errors and not sinks[1].errors
+        assert stats(lp)["num_slots_free"] == stats(lp)["num_slots_total"]
+        later = CollectingSink()  # the limit frees up as requests finish
+        lp.submit("bp-later", prompt, greedy(4), (), True, later)
+        assert later.done.wait(60) and not later.errors
+    finally:
+        lp.shutdown()

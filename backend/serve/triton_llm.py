@@ -102,8 +102,12 @@ class _Active:
 class EngineLoop:
     """Owns the LLM on one thread. `submit`, `abort` and `stats` may be called from any thread."""
 
-    def __init__(self, llm, idle_wait_s: float = 0.5):
+    def __init__(self, llm, idle_wait_s: float = 0.5, max_in_flight: int | None = None):
+        """max_in_flight: backpressure; a request arriving while that many are running or
+        waiting is refused at once ("server busy") instead of queueing without bound (Triton
+        2.51 has no ensemble `max_inflight_requests`)."""
         self.llm = llm
+        self.max_in_flight = max_in_flight
         self.boundary = Utf8Boundary(llm.tokenizer)
         self.idle_wait_s = idle_wait_s
         self._q: queue.Queue = queue.Queue()
@@ -150,6 +154,10 @@ class EngineLoop:
             if tid and self._tombstones.pop(tid, None) is not None:
                 rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
                 self._send(_Active(tid, rs, sink), rs.push([], "abort"), final=True)
+                return
+            if self.max_in_flight and len(self._active) >= self.max_in_flight:
+                sink.error(f"server busy: {len(self._active)} requests in flight (limit "
+                           f"{self.max_in_flight}); retry later")
                 return
             rid = uuid.uuid4().hex
             try:

@@ -72,7 +72,8 @@ class TritonPythonModel:
                        gpu_gib=float(gpu_gib) if gpu_gib else None,
                        tensor_parallel_size=int(params.get("tensor_parallel_size") or 1))
         self.defaults = generation_defaults(self.llm.model_dir)
-        self.loop = EngineLoop(self.llm).start()
+        self.loop = EngineLoop(self.llm,
+                               max_in_flight=int(params.get("max_inflight") or 0) or None).start()
         pb_utils.Logger.log_info(f"volundr_llm: {self.llm.model_dir} on "
                                  f"{self.llm.engine.ecfg.device}, context "
                                  f"{self.llm.max_model_len}, stats {self.llm.stats()}")
