@@ -153,14 +153,6 @@ def test_worker_exception_reaches_rank0(tiny):
     assert "worker rank 1 raised" in msg and "IndexError" in msg
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, "-m", "volundr.converter", "tiny", str(d)], check=True,
-                   capture_output=True, timeout=300)
-    return d
-
-
 def _llm_ids(model_dir, prompts, tp: int) -> list[list[int]]:
     from volundr.llm import LLM
 
