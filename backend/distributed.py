@@ -67,6 +67,7 @@ class _SeqView:
     num_computed_tokens: int
     num_tokens: int
     token_ids: _Window
+    input_embeds: dict  # position -> [hidden] vector, only those this step reads
 
 
 def make_plan(batch: list[ScheduledSeq], max_order: int) -> list[tuple]:
@@ -74,14 +75,16 @@ def make_plan(batch: list[ScheduledSeq], max_order: int) -> list[tuple]:
     for item in batch:
         seq, s = item.seq, item.seq.num_computed_tokens
         start = max(0, s - max_order + 1)  # the Engram n-grams reach max_order - 1 back
+        e = s + item.num_new_tokens
+        embeds = {p: v for p, v in seq.input_embeds.items() if s <= p < e}
         plan.append((seq.slot, list(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
-                     start, seq.token_ids[start:s + item.num_new_tokens], item.num_new_tokens))
+                     start, seq.token_ids[start:e], item.num_new_tokens, embeds))
     return plan
 
 
 def batch_from_plan(plan: list[tuple]) -> list[ScheduledSeq]:
-    return [ScheduledSeq(_SeqView(slot, table, done, total, _Window(start, ids)), new)
-            for slot, table, done, total, start, ids, new in plan]
+    return [ScheduledSeq(_SeqView(slot, table, done, total, _Window(start, ids), embeds), new)
+            for slot, table, done, total, start, ids, new, embeds in plan]
 
 
 # ---- weights in shared memory ---------------------------------------------------------------

@@ -71,7 +71,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None,
+                    input_embeds: dict[int, torch.Tensor] | None = None) -> str:
+        """input_embeds: prompt position -> [hidden] vector used instead of that token's
+        embedding (image patches from a vision tower, for example)."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.check()  # WorkerError once a rank is gone
         ids = [int(t) for t in prompt_token_ids]
@@ -86,6 +89,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, ids, params)
+        for pos, vec in (input_embeds or {}).items():
+            if not 0 <= pos < len(ids):
+                raise ValueError(f"input embedding at position {pos} is outside the prompt "
+                                 f"(0..{len(ids) - 1})")
+            if tuple(vec.shape) != (self.cfg.hidden_size,):
+                raise ValueError(f"input embedding at position {pos} has shape "
+                                 f"{tuple(vec.shape)}, expected ({self.cfg.hidden_size},)")
+            seq.input_embeds[int(pos)] = vec.detach().to("cpu")
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id

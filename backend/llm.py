@@ -98,8 +98,10 @@ class LLM:
 
     # ---- request level (one thread drives these) ----------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        return self.engine.add_request(prompt_token_ids, params, request_id)
+                    request_id: str | None = None,
+                    input_embeds: dict[int, torch.Tensor] | None = None) -> str:
+        """input_embeds: prompt position -> [hidden] vector replacing that token's embedding."""
+        return self.engine.add_request(prompt_token_ids, params, request_id, input_embeds)
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()

@@ -87,7 +87,7 @@ class ModelRunner:
         bs, m = self.block_size, self.cfg.engram.max_order
         pad = self.cfg.engram.pad_id
         positions, slot_mapping, ngrams, logits_idx = [], [], [], []
-        cu, ctx, tables = [0], [], []
+        cu, ctx, tables, embed_rows, embeds = [0], [], [], [], []
         for item in batch:
             seq, s = item.seq, item.seq.num_computed_tokens
             e = s + item.num_new_tokens
@@ -96,6 +96,10 @@ class ModelRunner:
             window = seq.token_ids[max(0, s - m + 1):e]
             window = [pad] * (e - s + m - 1 - len(window)) + window
             ngrams.append(torch.tensor(window, dtype=torch.long).unfold(0, m, 1))
+            for p, vec in seq.input_embeds.items():
+                if s <= p < e:  # a precomputed embedding replaces this token's row
+                    embed_rows.append(cu[-1] + p - s)
+                    embeds.append(vec)
             cu.append(cu[-1] + e - s)
             ctx.append(e)
             tables.append(seq.block_table)
@@ -122,6 +126,9 @@ class ModelRunner:
             ngram_ids=ngram_ids,
             logits_indices=dev(logits_idx),
         )
+        if embeds:
+            b.embed_positions = dev(embed_rows)
+            b.embeds = torch.stack(embeds).to(self.device, non_blocking=True)
         self.model.gather_inputs(b)
         return b
 

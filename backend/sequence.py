@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from enum import Enum, auto
 
+import torch
+
 from volundr.sampling_params import SamplingParams
 
 
@@ -32,6 +34,9 @@ class Sequence:
         self.num_emitted = 0  # output ids already handed to the caller
         self.generator = None  # per-request torch.Generator for seeded sampling
         self.num_preemptions = 0
+        # Precomputed input embeddings (e.g. image patches): prompt position -> [hidden] vector,
+        # used instead of the token's embedding row.
+        self.input_embeds: dict[int, torch.Tensor] = {}
 
     @property
     def num_tokens(self) -> int:

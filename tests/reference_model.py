@@ -28,11 +28,15 @@ def _engram_hash(ids: list[int], t: int, n: int, seed: int, p: int, pad: int) ->
     return h % p
 
 
-def reference_logits(cfg: VolundrConfig, sd: dict[str, torch.Tensor], ids: list[int]):
-    """Logits [T, vocab] of every position of `ids`."""
+def reference_logits(cfg: VolundrConfig, sd: dict[str, torch.Tensor], ids: list[int],
+                     embeds: dict[int, torch.Tensor] | None = None):
+    """Logits [T, vocab] of every position of `ids`; `embeds` (position -> vector) replace the
+    embedding rows of those positions."""
     W = {k: v.float() for k, v in sd.items()}
     eps, T = cfg.rms_norm_eps, len(ids)
     h = W["model.embed_tokens.weight"][torch.tensor(ids)]
+    for pos, vec in (embeds or {}).items():
+        h[pos] = vec.float()
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         if i in cfg.engram.layers:

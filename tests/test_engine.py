@@ -198,3 +198,28 @@ def test_block_manager_and_slots_bookkeeping():
     slots.free(a)
     with pytest.raises(RuntimeError):
         slots.free(a)
+
+
+def test_precomputed_input_embeddings_at_given_positions(tiny):
+    """Image-style inputs: vectors replace the embedding rows of placeholder positions; the
+    engine (chunked across them or not) matches the reference forward with the same vectors."""
+    cfg, sd = tiny
+    ids = prompts(1, 8)[0][:10] + [11] * 6 + [5, 6, 7]       # 6 placeholder tokens at 10..15
+    vecs = {p: torch.randn(cfg.hidden_size) for p in range(10, 16)}
+    expected = []  # the reference's greedy continuation, one full forward per token
+    for _ in range(6):
+        expected.append(int(reference_logits(cfg, sd, ids + expected, vecs)[-1].argmax()))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for budget in (64, 4):  # whole prompt in one step, or chunks that split the image span
+        engine = make_engine(tiny, max_num_batched_tokens=budget)
+        engine.add_request(ids, greedy, "img", input_embeds=vecs)
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        assert out == expected
+    plain = reference_logits(cfg, sd, ids)[-1]
+    assert not torch.allclose(plain, reference_logits(cfg, sd, ids, vecs)[-1], atol=1e-3)
+    with pytest.raises(ValueError, match="outside the prompt"):
+        make_engine(tiny).add_request(ids, greedy, "x", input_embeds={99: vecs[10]})
+    with pytest.raises(ValueError, match="shape"):
+        make_engine(tiny).add_request(ids, greedy, "y", input_embeds={3: torch.zeros(5)})

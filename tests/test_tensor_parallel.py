@@ -123,7 +123,7 @@ def _kill_and_step(engine: LLMEngine, how: str) -> str:
     if how == "kill":
         os.kill(engine.runner.procs[0].pid, signal.SIGKILL)
     else:  # a plan naming a state slot that does not exist: the worker raises in its forward
-        engine.runner.conns[0].send([(99, [0], 0, 1, 0, [5], 1)])
+        engine.runner.conns[0].send([(99, [0], 0, 1, 0, [5], 1, {})])
     with pytest.raises(WorkerError) as err:
         engine.step()
     assert not engine.has_unfinished()  # its requests failed and freed their blocks
@@ -181,3 +181,22 @@ def test_quantized_checkpoint_tp2_equals_tp1(tiny_dir, tmp_path):
     prompts = ["hi", "a longer prompt"]
     one = _llm_ids(tmp_path, prompts, 1)
     assert _llm_ids(tmp_path, prompts, 2) == one and all(one)
+
+
+def test_tp2_carries_input_embeddings_to_the_workers(tiny):
+    cfg, _ = tiny
+    ids = list(range(20, 40))
+    vecs = {p: torch.randn(cfg.hidden_size) for p in range(5, 12)}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        engine = make_engine(tiny, tp, max_num_batched_tokens=8)  # chunks split the span
+        try:
+            engine.add_request(ids, greedy, "img", input_embeds=vecs)
+            got = []
+            while engine.has_unfinished():
+                got += [t for o in engine.step() for t in o.new_token_ids]
+            outs.append(got)
+        finally:
+            engine.close()
+    assert outs[0] == outs[1] and len(outs[0]) == 6
