@@ -156,7 +156,8 @@ class TensorParallelRunner:
 
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
-                 block_size: int, seed: int = 0, max_model_len: int = 2048, tp: int = 2):
+                 block_size: int, seed: int = 0, max_model_len: int = 2048, tp: int = 2,
+                 gpu_budget_gib: float | None = None):
         check_tp(cfg, tp)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: "
@@ -170,7 +171,8 @@ class TensorParallelRunner:
         self.tp, self.failed = tp, None
         self.max_order = cfg.engram.max_order
         runner_kw = dict(dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
-                         block_size=block_size, seed=seed, max_model_len=max_model_len)
+                         block_size=block_size, seed=seed, max_model_len=max_model_len,
+                         gpu_budget_gib=gpu_budget_gib)
         host_names = ["model.embed_tokens.weight"] + [
             f"model.layers.{i}.engram.tables.{j}"
             for i in cfg.engram.layers for j in range(cfg.engram.num_tables)]

@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True  # capture the decode step on CUDA
     tensor_parallel_size: int = 1  # ranks (devices), one process each: volundr.distributed
+    gpu_gib: float | None = None  # hard cap on each rank's CUDA allocator (the memory plan's)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -59,11 +60,12 @@ class LLMEngine:
             self.runner = TensorParallelRunner(
                 cfg, state_dict, torch.device(ecfg.device), ecfg.dtype, ecfg.max_num_seqs,
                 ecfg.num_kv_blocks, ecfg.block_size, ecfg.seed, ecfg.max_model_len,
-                tp=ecfg.tensor_parallel_size)
+                tp=ecfg.tensor_parallel_size, gpu_budget_gib=ecfg.gpu_gib)
         else:
             self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
-                                      ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs)
+                                      ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
+                                      gpu_budget_gib=ecfg.gpu_gib)
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,

@@ -74,7 +74,7 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=block_size,
                             num_kv_blocks=num_kv_blocks, seed=seed,
-                            tensor_parallel_size=tensor_parallel_size)
+                            tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib)
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
         del state_dict
 

@@ -23,10 +23,18 @@ class ModelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
                  block_size: int, seed: int = 0, max_model_len: int = 2048,
-                 cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1):
+                 cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1,
+                 gpu_budget_gib: float | None = None):
         """With tp_size > 1 (volundr.distributed) `state_dict` is this rank's shard
-        (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples."""
+        (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples.
+        gpu_budget_gib: a hard cap on what this process's CUDA allocator may hold."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        if gpu_budget_gib is not None and device.type == "cuda":
+            # The plan sized weights + caches + workspace to the budget; the allocator cap makes
+            # it hard: anything past it fails with an out-of-memory error instead of growing.
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, gpu_budget_gib * 2**30 / total), device)
         self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_model_len = max_model_len

@@ -46,3 +46,17 @@ def test_cuda_graph_decode_matches_eager():
     graphed_engine = _engine("cuda", torch.float32, True)
     assert graphed_engine.runner.graphs is not None, "graph capture failed"
     assert _run(graphed_engine) == eager
+
+
+def test_gpu_budget_is_a_hard_cap():
+    cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
+    sd = random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1)
+    try:
+        engine = LLMEngine(cfg, sd, EngineConfig(device="cuda", dtype=torch.bfloat16,
+                                                 max_num_seqs=2, max_model_len=256,
+                                                 num_kv_blocks=32, gpu_gib=0.5), EOS)
+        assert _run(engine, n=2)  # serves within the budget
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB > the 0.5 GiB cap
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
