@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one device call (the H200 lease is short):
+#   device run, carry [".gpu", ".whl"]:  bash perf/gpu_checks.sh
+# 1. the CUDA tests (engine on CUDA, CUDA graphs, the budget cap, every kernel at Volundr-32B
+#    shapes, KDA against fla when its wheel is carried in .whl/), 2. the end-to-end decode
+#    benchmark of Volundr-32B (mixed ~3.2-bit, then bf16). Logs and JSON land in $OUT.
+set -uo pipefail
+source .gpu/bootstrap.sh
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
+  tests/test_gpu_engine.py tests/test_kernels_attention.py tests/test_kernels_norm.py \
+  tests/test_kernels_kda.py tests/test_quant.py -k "cuda or gpu" 2>&1 | tee "$OUT/gpu_tests.log"
+timeout "${BENCH_TIMEOUT:-300}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
+  --variants "${VARIANTS:-mixed,bf16}" --tokens "${TOKENS:-256}" 2>&1 | tee "$OUT/decode.log"
