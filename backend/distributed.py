@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 from volundr.config import VolundrConfig
 from volundr.model.parallel import check_tp, shard_state_dict
+from volundr.model.weights import host_tensor_names
 from volundr.model_runner import ModelRunner
 from volundr.scheduler import ScheduledSeq
 
@@ -173,10 +174,8 @@ class TensorParallelRunner:
         runner_kw = dict(dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, seed=seed, max_model_len=max_model_len,
                          gpu_budget_gib=gpu_budget_gib)
-        host_names = ["model.embed_tokens.weight"] + [
-            f"model.layers.{i}.engram.tables.{j}"
-            for i in cfg.engram.layers for j in range(cfg.engram.num_tables)]
-        host = {n: state_dict[n].to("cpu").contiguous().share_memory_() for n in host_names}
+        host = {n: state_dict[n].to("cpu").contiguous().share_memory_()
+                for n in host_tensor_names(cfg)}
         compute = {n: t for n, t in state_dict.items() if n not in host}
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,

@@ -12,14 +12,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from volundr.config import VolundrConfig
-from volundr.model.weights import expected_tensors
+from volundr.model.weights import HOST_PARTS, expected_tensors
 
 GIB = 1 << 30
 MIB = 1 << 20
 # CUDA context, allocator slack and kernel workspaces that no formula below accounts for.
 FIXED_RESERVE_BYTES = 512 * MIB
 GPU_PARTS = ("compute", "mtp")
-HOST_PARTS = ("embedding", "engram")
 # `fits` also asks for a minimal KV pool (16 blocks of 16 tokens) besides weights and states.
 MIN_KV_TOKENS = 256
 

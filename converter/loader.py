@@ -17,9 +17,8 @@ import torch
 from safetensors import safe_open
 
 from volundr.config import VolundrConfig
-from volundr.model.weights import expected_tensors
+from volundr.model.weights import HOST_PARTS, expected_tensors
 
-HOST_PARTS = ("embedding", "engram")  # stay in host memory whatever `device` is
 QUANT_SUFFIXES = ("qweight", "scales", "zeros")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

@@ -33,10 +33,9 @@ from volundr.config import (
     VisionConfig,
     VolundrConfig,
 )
-from volundr.model.weights import TensorSpec, expected_tensors
+from volundr.model.weights import HOST_PARTS, TensorSpec, expected_tensors
 
 PRESETS = ("tiny", "draft-tiny", "volundr-32b", "volundr-32b-q", "volundr-draft")
-HOST_PARTS = ("embedding", "engram")  # tensors that stay in host memory
 LM_HEAD_ROW_SIGMA = 0.3
 
 

@@ -20,7 +20,7 @@ import torch
 from volundr.converter.presets import get_config, init_tensor, random_state_dict
 from volundr.engine import EngineConfig, LLMEngine
 from volundr.kernels.quant.pack import group_size_for
-from volundr.model.weights import expected_tensors
+from volundr.model.weights import HOST_PARTS, expected_tensors
 from volundr.sampling_params import SamplingParams
 
 
@@ -85,7 +85,7 @@ def random_quantized_state_dict(cfg, device: str) -> dict[str, torch.Tensor]:
         module = name.removesuffix(".weight")
         if module not in bits:  # host tables: drawn on the GPU (fast), kept on the host
             t = init_tensor(name, spec, cfg, 0, device, torch.bfloat16)
-            out[name] = t.cpu() if spec.part in ("embedding", "engram") else t
+            out[name] = t.cpu() if spec.part in HOST_PARTS else t
             continue
         b, (n, k) = bits[module], spec.shape
         g = group_size_for(k, cfg.quantization.group_size)

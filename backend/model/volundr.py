@@ -79,13 +79,6 @@ class VolundrForCausalLM(nn.Module):
         self.embed_tokens: torch.Tensor | None = None  # [vocab, hidden] on the host
 
     # ---- weights ------------------------------------------------------------------------
-    def host_tensor_names(self) -> list[str]:
-        names = ["model.embed_tokens.weight"]
-        for i in self.cfg.engram.layers:
-            names += [f"model.layers.{i}.engram.tables.{j}"
-                      for j in range(self.cfg.engram.num_tables)]
-        return names
-
     def load_weights(self, state_dict: dict[str, torch.Tensor], device: torch.device,
                      dtype: torch.dtype, pin_host: bool = True) -> None:
         """Host tables go to host memory (pinned on CUDA unless `pin_host` is False, e.g. tables

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from volundr.config import VolundrConfig
 
+# Parts that are lookup tables, not compute: they stay in host memory whatever the device.
+HOST_PARTS = ("embedding", "engram")
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -119,3 +122,8 @@ def count_parameters(c: VolundrConfig) -> dict[str, int]:
             n *= x
         out[spec.part] = out.get(spec.part, 0) + n
     return out
+
+
+def host_tensor_names(c: VolundrConfig) -> list[str]:
+    """The checkpoint tensors that live in host memory (token embedding, Engram tables)."""
+    return [n for n, spec in expected_tensors(c).items() if spec.part in HOST_PARTS]
