@@ -11,44 +11,54 @@ volundr.kernels.quant provides `random_quantized_state_dict`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import time
 
 import torch
 
-from volundr.converter.presets import get_config, init_tensor, random_state_dict
+from volundr.converter.presets import (
+    get_config,
+    init_tensor,
+    mixed_quantization,
+    random_state_dict,
+)
 from volundr.engine import EngineConfig, LLMEngine
-from volundr.kernels.quant.pack import group_size_for
+from volundr.kernels.quant.pack import group_size_for, quantizable
 from volundr.model.weights import HOST_PARTS, expected_tensors
 from volundr.sampling_params import SamplingParams
 
 
-def copy_bandwidth(gib: float = 4.0) -> float:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, gib: float = 4.0) -> float:
     """Device-to-device copy, bytes read + written per second (the HBM ceiling)."""
     n = int(gib * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    torch.cuda.synchronize()
+    sync()
     t, reps = time.perf_counter(), 20
     for _ in range(reps):
         b.copy_(a)
-    torch.cuda.synchronize()
+    sync()
     return 2 * a.numel() * 2 * reps / (time.perf_counter() - t)
 
 
-def gpu_weight_bytes(engine: LLMEngine) -> int:
+def device_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of weights a decode step reads from device memory (host tables and MTP excluded)."""
     m = engine.runner.model
-    seen = 0
-    for t in list(m.parameters()) + list(m.buffers()):
-        if t.is_cuda:
-            seen += t.numel() * t.element_size()
-    if m.mtp is not None:  # the MTP block is not read by a plain decode step
-        seen -= sum(t.numel() * t.element_size() for t in
-                    list(m.mtp.parameters()) + list(m.mtp.buffers()) if t.is_cuda)
-    return seen
+
+    def size(mod) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in list(mod.parameters()) + list(mod.buffers()))
+
+    return size(m) - (size(m.mtp) if m.mtp is not None else 0)
 
 
 def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> dict:
@@ -62,13 +72,13 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
     while engine.has_unfinished():
         outs = engine.step()
         if t0 is None and outs and all(o.num_output_tokens >= 1 for o in outs):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()  # all prefills done: time decode only
             continue
         if t0 is not None:
             n += sum(len(o.new_token_ids) for o in outs)
             steps += 1
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
     return {"batch": batch, "prompt_len": prompt_len, "decode_tokens": n, "steps": steps,
             "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1)}
@@ -99,14 +109,21 @@ def random_quantized_state_dict(cfg, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def build(variant: str, graphs: bool, max_num_seqs: int) -> LLMEngine:
-    """Volundr-32B with random weights built straight on the GPU (host tables on the CPU)."""
-    cfg = get_config("volundr-32b" if variant == "bf16" else "volundr-32b-q")
+def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
+          device: str) -> LLMEngine:
+    """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
+    the CPU); variant "mixed" is its ~3.2-bit mixed quantization."""
+    cfg = get_config(preset)
     if variant == "bf16":
-        sd = random_state_dict(cfg, "cuda", dtype=torch.bfloat16)
+        sd = random_state_dict(cfg, device, dtype=torch.bfloat16)
     else:
-        sd = random_quantized_state_dict(cfg, "cuda")
-    ecfg = EngineConfig(device="cuda", dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
+        q = mixed_quantization(cfg)  # linears too narrow for a quant group stay bf16 (tiny)
+        shapes = {n.removesuffix(".weight"): t.shape for n, t in expected_tensors(cfg).items()}
+        q = dataclasses.replace(q, bits={m: b for m, b in q.bits.items()
+                                         if quantizable(shapes[m][1], q.group_size)})
+        cfg = cfg.replace(quantization=q)
+        sd = random_quantized_state_dict(cfg, device)
+    ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=2048, max_model_len=4096, block_size=16,
                         num_kv_blocks=max_num_seqs * 4096 // 16, cuda_graphs=graphs)
     return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
@@ -118,30 +135,37 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--preset", default="volundr-32b", help="e.g. tiny, for a CPU smoke run")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copy-gib", type=float, default=4.0)
     args = ap.parse_args()
+    dev = torch.device(args.device)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    res = {"commit": commit, "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "hbm_copy_GBps": copy_bandwidth() / 1e9, "runs": []}
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    res = {"commit": commit, "device": name, "preset": args.preset, "torch": torch.__version__,
+           "hbm_copy_GBps": copy_bandwidth(args.device, args.copy_gib) / 1e9, "runs": []}
     print(json.dumps(res), flush=True)
     for variant in args.variants.split(","):
         t = time.perf_counter()
-        engine = build(variant, True, max_num_seqs=16)
-        wbytes = gpu_weight_bytes(engine)
+        engine = build(variant, True, 16, args.preset, args.device)
+        wbytes = device_weight_bytes(engine)
         graphs = engine.runner.graphs
-        for use_graphs in (False, True):
+        for use_graphs in (False, True) if graphs is not None else (False,):
             engine.runner.graphs = graphs if use_graphs else None
             entry = {"variant": variant, "cuda_graphs": use_graphs,
                      "build_s": time.perf_counter() - t, "gpu_weight_GB": wbytes / 1e9,
                      "byte_limit_tok_per_s": res["hbm_copy_GBps"] * 1e9 / wbytes,
-                     "gpu_mem_peak_GB": torch.cuda.max_memory_allocated() / 1e9}
+                     "gpu_mem_peak_GB": (torch.cuda.max_memory_allocated() / 1e9
+                                         if dev.type == "cuda" else None)}
             decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
             entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
             entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
             res["runs"].append(entry)
             print(json.dumps(entry), flush=True)
         del engine, graphs
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

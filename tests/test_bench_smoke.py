@@ -1,0 +1,25 @@
+"""The end-to-end decode benchmark runs (tiny preset, CPU), so the GPU session's call can't fail
+on a plain script error; its numbers here mean nothing and are not checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
+    out = tmp_path / "decode.json"
+    script = Path(__file__).parents[1] / "perf" / "bench_decode.py"
+    r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu",
+                        "--out", str(out), "--variants", "mixed,bf16", "--tokens", "8",
+                        "--copy-gib", "0.05"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [run["variant"] for run in res["runs"]] == ["mixed", "bf16"]
+    for run in res["runs"]:
+        assert run["single"]["decode_tokens"] == 7 and run["batch16"]["decode_tokens"] == 16 * 3
+        assert run["gpu_weight_GB"] > 0
+    mixed, bf16 = res["runs"]
+    assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
