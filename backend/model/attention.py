@@ -8,6 +8,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
+from volundr.model.layers import FusedLinear
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear, local_kv_heads
 
 
@@ -22,16 +23,20 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(d, self.kvh * tp.size * self.hd, tp)
         self.v_proj = ColumnParallelLinear(d, self.kvh * tp.size * self.hd, tp)
         self.o_proj = RowParallelLinear(h * self.hd, d, tp)  # all-reduces
+        self.qkv_proj: FusedLinear | None = None  # built by after_load
         self.scale = self.hd ** -0.5
         # [num_blocks, block_size, kvh, hd] each, bound by the ModelRunner
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def after_load(self) -> None:
+        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.h, self.hd)
-        k = self.k_proj(x).view(T, self.kvh, self.hd)
-        v = self.v_proj(x).view(T, self.kvh, self.hd)
+        T, hd = x.shape[0], self.hd
+        q, k, v = self.qkv_proj(x).split([self.h * hd, self.kvh * hd, self.kvh * hd], dim=-1)
+        q, k, v = q.view(T, self.h, hd), k.view(T, self.kvh, hd), v.view(T, self.kvh, hd)
         # Store first: the new tokens attend to themselves through the cache.
         ops.store_kv(k, v, self.k_cache, self.v_cache, b.slot_mapping)
         o = ops.paged_attention(q, self.k_cache, self.v_cache, b.block_tables, b.cu_seqlens,

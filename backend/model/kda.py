@@ -17,6 +17,7 @@ from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.kernels.kda.naive import kda_gate
 from volundr.model.batch import ForwardBatch
+from volundr.model.layers import FusedLinear
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -49,15 +50,21 @@ class KDA(nn.Module):
         # Bound by the ModelRunner: [slots, H, K, V] fp32 and [slots, 3 * H * K, conv - 1].
         self.state: torch.Tensor | None = None
         self.conv_state: torch.Tensor | None = None
+        self.qkv_conv_weight: torch.Tensor | None = None  # set by `after_load`
+        self.qkv_proj: FusedLinear | None = None
 
-    def conv_weight(self) -> torch.Tensor:
-        """q, k and v convs as one depthwise conv over 3 * H * K channels."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+    def after_load(self) -> None:
+        """The q, k and v convs as one depthwise conv over 3 * H * K channels, built once after
+        the weights are in (not per step: in a decode step that cat would be a kernel per layer)."""
+        self.qkv_conv_weight = torch.cat(
+            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
+        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv = ops.causal_conv(qkv, self.conv_weight(), self.conv_state, b.slot_ids,
+        qkv = self.qkv_proj(x)                                            # [T, 3 * H * K]
+        qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
                               b.cu_seqlens, activation="silu")
         q, k, v = qkv.view(T, 3, H, K).unbind(1)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias)

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the layers: RMSNorm and the SwiGLU MLP."""
+"""Small building blocks shared by the layers: RMSNorm, fused projections and the SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -20,6 +20,38 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class FusedLinear(nn.Module):
+    """Linears that read the same input, as one: forward(x) = cat([m(x) for m in mods], -1).
+
+    One matmul over the concatenated weights when they can share one (plain or column-parallel
+    nn.Linear, or QuantLinear of one bit width and group size): at decode, a launch and a
+    mostly idle small GEMV saved per projection. Otherwise the parts run one after another.
+    Built after loading (the checkpoint keeps the separate tensors)."""
+
+    def __init__(self, mods: list[nn.Module]):
+        super().__init__()
+        self.fused = _concat_linears(mods)
+        self.parts = None if self.fused is not None else nn.ModuleList(mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
+def _concat_linears(mods: list[nn.Module]) -> nn.Module | None:
+    from volundr.model.quant_linear import QuantLinear  # it imports this package
+
+    if all(type(m) in (nn.Linear, ColumnParallelLinear) for m in mods):
+        w = torch.cat([m.weight.detach() for m in mods])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        return fused
+    if all(isinstance(m, QuantLinear) for m in mods):
+        return QuantLinear.concat(mods)
+    return None
+
+
 class MLP(nn.Module):
     """down(SiLU(gate(x)) * up(x)); with tensor parallelism each rank holds intermediate / tp."""
 
@@ -28,6 +60,12 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp)  # all-reduces
+        self.gate_up_proj: FusedLinear | None = None
+
+    def after_load(self) -> None:
+        self.gate_up_proj = FusedLinear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(ops.swiglu(gate, up))

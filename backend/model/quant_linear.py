@@ -81,6 +81,20 @@ class QuantLinear(nn.Module):
         q = unpack_bitstream(qweight.to(device), bits)
         return cls.from_quantized(q, scales.to(device), zeros.to(device), bits, **kw)
 
+    @classmethod
+    def concat(cls, mods: list[QuantLinear]) -> QuantLinear | None:
+        """One layer whose outputs are the outputs of `mods` side by side (same input), or None
+        when they differ in bit width, group size, input width or parallel role."""
+        a = mods[0]
+        if any((m.bits, m.group_size, m.in_features, m.parallel) !=
+               (a.bits, a.group_size, a.in_features, None) for m in mods):
+            return None
+        layer = cls(a.in_features, sum(m.out_features for m in mods), a.bits, a.group_size,
+                    device="meta", tp=a.tp)
+        for name in ("qa", "qb", "sz"):  # kernel layout: output features are the last dim
+            setattr(layer, name, torch.cat([getattr(m, name) for m in mods], dim=1))
+        return layer
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [out, in]."""
         return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,

@@ -104,6 +104,9 @@ class VolundrForCausalLM(nn.Module):
             if name in own and t.is_floating_point():
                 sd[name] = t.to(device=device, dtype=dtype)
         self.load_state_dict(sd, strict=True, assign=True)
+        sd.clear()  # the fused projections below must not leave the separate tensors alive
+        for m in [m for m in self.modules() if hasattr(m, "after_load")]:
+            m.after_load()
 
     # ---- forward ------------------------------------------------------------------------
     def embed(self, ids_host: torch.Tensor, device: torch.device, dtype: torch.dtype):
