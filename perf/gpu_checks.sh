@@ -16,7 +16,7 @@ fi
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_gpu_engine.py tests/test_kernels_attention.py tests/test_kernels_norm.py \
+  tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_attention.py tests/test_kernels_norm.py \
   tests/test_quant.py tests/test_kernels_kda.py -k "cuda or gpu" 2>&1 | tee "$OUT/gpu_tests.log"
 # (KDA last: fla autotunes on its first call, which can take minutes)
 timeout "${BENCH_TIMEOUT:-300}" python3 perf/bench_decode.py --out "$OUT/decode.json" \

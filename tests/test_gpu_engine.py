@@ -1,5 +1,6 @@
-"""The engine on CUDA (skipped without a GPU): the tiny model's greedy ids on the GPU equal the
-CPU's (both fp32), and CUDA-graph decode gives the same ids as eager decode."""
+"""The engine on CUDA (skipped without a GPU): CUDA-graph decode gives the same ids as eager
+decode, and the GPU budget is a hard cap. (The CUDA forward against the independent reference,
+for any chunking, is tests/test_engine.py's logits test on the "cuda" parameter.)"""
 
 from __future__ import annotations
 
@@ -34,11 +35,6 @@ def _run(engine: LLMEngine, n: int = 6) -> dict[str, list[int]]:
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
     return out
-
-
-def test_cuda_fp32_matches_cpu():
-    assert _run(_engine("cuda", torch.float32, False)) == _run(_engine("cpu", torch.float32,
-                                                                       False))
 
 
 def test_cuda_graph_decode_matches_eager():
