@@ -47,7 +47,7 @@ class CUDAGraphRunner:
     def _batch(self, bs: int) -> ForwardBatch:
         ar = self.cu_seqlens[:bs]
         return ForwardBatch(
-            input_ids=ar, positions=ar, cu_seqlens=self.cu_seqlens[:bs + 1],
+            cu_seqlens=self.cu_seqlens[:bs + 1],
             cu_list=list(range(bs + 1)), slot_ids=self.slot_ids[:bs],
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             context_lens=self.context_lens[:bs], max_q_len=1,

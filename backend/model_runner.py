@@ -94,12 +94,11 @@ class ModelRunner:
         """Index tensors of the step, plus the host lookups (embedding and Engram rows)."""
         bs, m = self.block_size, self.cfg.engram.max_order
         pad = self.cfg.engram.pad_id
-        positions, slot_mapping, ngrams, logits_idx = [], [], [], []
+        slot_mapping, ngrams, logits_idx = [], [], []
         cu, ctx, tables, embed_rows, embeds = [0], [], [], [], []
         for item in batch:
             seq, s = item.seq, item.seq.num_computed_tokens
             e = s + item.num_new_tokens
-            positions.extend(range(s, e))
             slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(s, e))
             window = seq.token_ids[max(0, s - m + 1):e]
             window = [pad] * (e - s + m - 1 - len(window)) + window
@@ -121,8 +120,6 @@ class ModelRunner:
             return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
         b = ForwardBatch(
-            input_ids=dev(ngram_ids[:, -1]),
-            positions=dev(positions),
             cu_seqlens=dev(cu, torch.int32),
             cu_list=cu,
             slot_ids=dev([item.seq.slot for item in batch]),

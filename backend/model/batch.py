@@ -13,8 +13,6 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor          # [T] long, device
-    positions: torch.Tensor          # [T] long, device: absolute position in its sequence
     cu_seqlens: torch.Tensor         # [N + 1] int32, device
     cu_list: list[int]               # the same on the host
     slot_ids: torch.Tensor           # [N] long, device: state slot of each sequence
@@ -23,7 +21,9 @@ class ForwardBatch:
     context_lens: torch.Tensor       # [N] int32, device: cached tokens incl. this step's
     max_q_len: int
     max_context_len: int
-    ngram_ids: torch.Tensor          # [T, max_order] long, host: ids[t - max_order + 1 .. t]
+    # [T, max_order] long, host: ids[t - max_order + 1 .. t]; the last column is the token itself
+    # (NoPE: no position tensor is needed; token ids are only looked up on the host).
+    ngram_ids: torch.Tensor
     logits_indices: torch.Tensor     # [M] long, device: tokens whose next-token logits we need
     # Precomputed input embeddings (images): rows of the packed batch to overwrite, and values.
     embed_positions: torch.Tensor | None = None  # [E] long
