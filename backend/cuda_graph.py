@@ -4,7 +4,9 @@ Decode at batch 1 launches a few hundred small kernels per token; replaying a ca
 removes the launch overhead. Everything the forward reads lives in static buffers that `run`
 fills before each replay. Padding rows point at a scratch state slot (the runner allocates one
 slot more than it hands out), store no KV (slot -1) and see a context of 1, so they never touch
-a real sequence. Host lookups (embedding, Engram rows) happen before, in `ModelRunner.prepare`.
+a real sequence (their n-gram ids are the pad id, which any table row serves). The lookups of
+the host tables (embedding, Engram) are part of the graph: the GPU reads the pinned tables in
+place, so a step's only inputs are small index tensors.
 """
 
 from __future__ import annotations
@@ -34,10 +36,8 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, **z)
         self.context_lens = torch.ones(max_bs, dtype=torch.int32, **z)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, **z)
-        self.inputs_embeds = torch.zeros(max_bs, cfg.hidden_size, dtype=dtype, **z)
-        e = cfg.engram
-        self.engram = {i: torch.zeros(max_bs, e.num_tables * e.dim, dtype=dtype, **z)
-                       for i in e.layers}
+        self.ngram_ids = torch.full((max_bs, cfg.engram.max_order), cfg.engram.pad_id,
+                                    dtype=torch.long, **z)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -51,25 +51,28 @@ class CUDAGraphRunner:
             cu_list=list(range(bs + 1)), slot_ids=self.slot_ids[:bs],
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             context_lens=self.context_lens[:bs], max_q_len=1,
-            max_context_len=self.max_model_len, ngram_ids=torch.empty(0),
-            logits_indices=ar.long(), inputs_embeds=self.inputs_embeds[:bs],
-            engram_embeds={i: t[:bs] for i, t in self.engram.items()})
+            max_context_len=self.max_model_len, ngram_ids=self.ngram_ids[:bs],
+            logits_indices=ar.long())
+
+    def _step(self, b: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(b))
 
     @torch.inference_mode()
     def _capture(self, bs: int) -> None:
         b = self._batch(bs)
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-            self.model.compute_logits(self.model(b))
+            self._step(b)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            self.logits[bs] = self.model.compute_logits(self.model(b))
+            self.logits[bs] = self._step(b)
         torch.cuda.synchronize()
         self.graphs[bs] = g
 
     def can_run(self, b: ForwardBatch) -> bool:
-        n = b.num_seqs
-        return b.max_q_len == 1 and n <= self.max_bs and b.inputs_embeds.shape[0] == n
+        """A decode step (one token per sequence, no image embeddings) of at most max_bs."""
+        return (b.max_q_len == 1 and b.num_seqs <= self.max_bs and b.embeds is None
+                and b.ngram_ids.is_cuda)
 
     @torch.inference_mode()
     def run(self, b: ForwardBatch) -> torch.Tensor:
@@ -84,8 +87,7 @@ class CUDAGraphRunner:
         self.slot_mapping[:n] = b.slot_mapping
         self.context_lens[:n] = b.context_lens
         self.block_tables[:n, :b.block_tables.shape[1]] = b.block_tables
-        self.inputs_embeds[:n] = b.inputs_embeds
-        for i, t in self.engram.items():
-            t[:n] = b.engram_embeds[i]
+        self.ngram_ids[:bs].fill_(self.model.cfg.engram.pad_id)
+        self.ngram_ids[:n] = b.ngram_ids
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -32,9 +32,10 @@ class ModelRunner:
         if gpu_budget_gib is not None and device.type == "cuda":
             # The plan sized weights + caches + workspace to the budget; the allocator cap makes
             # it hard: anything past it fails with an out-of-memory error instead of growing.
-            total = torch.cuda.get_device_properties(device).total_memory
+            index = torch.cuda.current_device() if device.index is None else device.index
+            total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(
-                min(1.0, gpu_budget_gib * 2**30 / total), device)
+                min(1.0, gpu_budget_gib * 2**30 / total), index)
         self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_model_len = max_model_len
@@ -91,7 +92,7 @@ class ModelRunner:
 
     # ---- schedule -> tensors ------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> ForwardBatch:
-        """Index tensors of the step, plus the host lookups (embedding and Engram rows)."""
+        """Index tensors of the step (the forward does the lookups from ngram_ids)."""
         bs, m = self.block_size, self.cfg.engram.max_order
         pad = self.cfg.engram.pad_id
         slot_mapping, ngrams, logits_idx = [], [], []
@@ -102,7 +103,7 @@ class ModelRunner:
             slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(s, e))
             window = seq.token_ids[max(0, s - m + 1):e]
             window = [pad] * (e - s + m - 1 - len(window)) + window
-            ngrams.append(torch.tensor(window, dtype=torch.long).unfold(0, m, 1))
+            ngrams.extend(window[i:i + m] for i in range(e - s))
             for p, vec in seq.input_embeds.items():
                 if s <= p < e:  # a precomputed embedding replaces this token's row
                     embed_rows.append(cu[-1] + p - s)
@@ -114,7 +115,9 @@ class ModelRunner:
                 logits_idx.append(cu[-1] - 1)
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        ngram_ids = torch.cat(ngrams)
+        ngram_ids = torch.tensor(ngrams, dtype=torch.long)
+        if self.model.lookups_on_gpu:
+            ngram_ids = ngram_ids.pin_memory().to(self.device, non_blocking=True)
 
         def dev(x, dtype=torch.long):
             return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
@@ -134,7 +137,6 @@ class ModelRunner:
         if embeds:
             b.embed_positions = dev(embed_rows)
             b.embeds = torch.stack(embeds).to(self.device, non_blocking=True)
-        self.model.gather_inputs(b)
         return b
 
     @torch.inference_mode()

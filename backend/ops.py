@@ -9,6 +9,7 @@ Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
               state [slots, H, K, V] fp32 updated in place at `slot_ids` [N].
   causal_conv x [T, C], weight [C, W], conv_state [slots, C, W - 1] updated in place.
   attention   q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D].
+  lookups     ids [T, m] long (the n-gram window of each token, the token last); host tables.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import torch
 
 from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
+from volundr.kernels.engram.naive import engram_rows, naive_lookup
 from volundr.kernels.kda.naive import naive_causal_conv1d, naive_chunk_kda, naive_recurrent_kda
 from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
 
@@ -102,3 +104,36 @@ def swiglu(gate, up):
     if fast is not None:
         return fast.swiglu(gate, up)
     return naive_swiglu(gate, up)
+
+
+def _host_copy(x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if device.type == "cuda":
+        x = x.pin_memory().to(device, non_blocking=True)
+    return x.to(device=device, dtype=dtype)
+
+
+def embedding_lookup(ids: torch.Tensor, table: torch.Tensor, device: torch.device,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the host table [V, D] for the last column of ids [T, m] -> [T, D] on `device`.
+    ids on CUDA (the table is then pinned): the GPU reads the rows in place; ids on the host:
+    gathered on the host and copied."""
+    fast = _fast(ids, "engram")
+    if fast is not None:
+        out = torch.empty(ids.shape[0], table.shape[1], device=ids.device, dtype=dtype)
+        return fast.embedding_lookup(ids, table, out)
+    return _host_copy(naive_lookup(ids[:, -1:].cpu(), [table]), device, dtype)
+
+
+def engram_lookup(ids: torch.Tensor, tables: list[torch.Tensor], meta, cfg,
+                  device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Engram's e_t [T, J * D] on `device` for ids [T, m]: hash (VOLUNDR.md) and gather the J
+    host tables. On CUDA `meta` (volundr.model.engram.LookupMeta) describes the tables as one
+    pinned buffer that the GPU reads in place; on the host `cfg` (EngramConfig) gives the hash."""
+    fast = _fast(ids, "engram")
+    if fast is not None:
+        out = torch.empty(ids.shape[0], len(tables) * tables[0].shape[1], device=ids.device,
+                          dtype=dtype)
+        return fast.engram_lookup(ids, meta.table, meta.offsets, meta.sizes, meta.orders,
+                                  meta.seeds, out)
+    ids = ids.cpu()
+    return _host_copy(naive_lookup(engram_rows(ids, cfg), tables), device, dtype)

@@ -2,17 +2,23 @@
 
 Measures, in one run: the HBM copy bandwidth; single-stream greedy decode tok/s (eager and with
 CUDA graphs); 16-concurrent decode throughput; and the byte limit = measured bandwidth / bytes
-of GPU weights read per token. bf16 weights, and ~3.2-bit mixed weights when
-volundr.kernels.quant provides `random_quantized_state_dict`.
+of GPU weights read per token. With graphs also the GPU time of one decode step (graph replays
+alone), so that ms_per_step - graph_ms is the host's share; and a kernel-time breakdown of one
+eager decode step (torch.profiler) when --profile-dir is given.
 
-    python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed] [--tokens 256]
+Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
+cap), e.g. mixed:16 for the 16 GiB profile.
+
+    python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import re
 import subprocess
 import time
 
@@ -84,10 +90,73 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
             "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1)}
 
 
+def graph_ms(engine: LLMEngine, bs: int, reps: int = 50) -> float | None:
+    """GPU time of one captured decode step of batch `bs` (replays back to back)."""
+    graphs = engine.runner.graphs
+    if graphs is None or bs not in graphs.graphs:
+        return None
+    g = graphs.graphs[bs]
+    g.replay()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    sync()
+    return 1e3 * (time.perf_counter() - t) / reps
+
+
+# kernel name -> category of the breakdown (first match wins)
+CATEGORIES = [("quant_matmul", r"gemv|gemm_q|_q(uant)?_|dequant"),
+              ("gemm_bf16", r"gemm|gemv|cutlass|cublas|sm90_xmma|nvjet"),
+              ("kda", r"kda|recurrent|chunk|conv"), ("attention", r"attn|attention|store_kv"),
+              ("norm_swiglu", r"rms|norm|swiglu"), ("lookup", r"lookup"),
+              ("sampling", r"argmax|max|sort|softmax"), ("copies", r"memcpy|memset|copy|fill")]
+
+
+def profile_step(engine: LLMEngine, path: str, batch: int = 1) -> dict:
+    """Kernel times of eager decode steps (graphs off) by category, top kernels to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(list(range(16, 80)), p, f"prof{i}")
+    engine.step()  # prefill
+    engine.step()
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.graphs = graphs
+    cats: dict[str, float] = collections.defaultdict(float)
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        name = ev.key
+        cat = next((c for c, rx in CATEGORIES if re.search(rx, name, re.I)), "other")
+        cats[cat] += us / steps
+        rows.append((us / steps, ev.count // steps, cat, name))
+    rows.sort(reverse=True)
+    with open(path, "w") as f:
+        f.write(f"# eager decode step, batch {batch}: us per step, launches per step, kernel\n")
+        for us, n, cat, name in rows[:60]:
+            f.write(f"{us:10.1f} {n:5d} {cat:13s} {name[:140]}\n")
+    return {"batch": batch, "kernel_us_per_step": dict(sorted(cats.items())),
+            "kernel_ms_total": sum(cats.values()) / 1e3,
+            "launches_per_step": sum(r[1] for r in rows)}
+
+
 @torch.no_grad()
-def random_quantized_state_dict(cfg, device: str) -> dict[str, torch.Tensor]:
+def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
     """A random volundr-mixed checkpoint: uniform random codes (qweight bytes), scales that give
-    N(0, 1/in)-sized weights, mid-range zeros; loaded through the real repacking path."""
+    N(0, 1/in)-sized weights, mid-range zeros; loaded through the real repacking path. Drawn on
+    `device`; keep_on="cpu" moves each tensor to the host at once (as a checkpoint read from
+    disk would be), so that under a GPU budget only the repacked weights occupy the GPU."""
     bits = cfg.quantization.bits
     out: dict[str, torch.Tensor] = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -99,20 +168,23 @@ def random_quantized_state_dict(cfg, device: str) -> dict[str, torch.Tensor]:
             continue
         b, (n, k) = bits[module], spec.shape
         g = group_size_for(k, cfg.quantization.group_size)
-        out[module + ".qweight"] = torch.randint(0, 256, (n, k * b // 8), generator=gen,
-                                                 device=device, dtype=torch.uint8)
+        q = torch.randint(0, 256, (n, k * b // 8), generator=gen, device=device,
+                          dtype=torch.uint8)
+        out[module + ".qweight"] = q if keep_on is None else q.to(keep_on)
+        del q
         scale = 2 * 3 ** 0.5 * k ** -0.5 / (2 ** b - 1)  # uniform codes -> std ~ 1/sqrt(k)
-        out[module + ".scales"] = torch.full((n, k // g), scale, device=device,
-                                             dtype=torch.bfloat16)
-        out[module + ".zeros"] = torch.full((n, k // g), (2 ** b - 1) / 2, device=device,
-                                            dtype=torch.bfloat16)
+        out[module + ".scales"] = torch.full((n, k // g), scale, dtype=torch.bfloat16,
+                                             device=keep_on or device)
+        out[module + ".zeros"] = torch.full((n, k // g), (2 ** b - 1) / 2,
+                                            dtype=torch.bfloat16, device=keep_on or device)
     return out
 
 
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
-          device: str) -> LLMEngine:
+          device: str, gpu_gib: float | None = None) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
-    the CPU); variant "mixed" is its ~3.2-bit mixed quantization."""
+    the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
+    (a hard cap on the allocator from the engine's construction on)."""
     cfg = get_config(preset)
     if variant == "bf16":
         sd = random_state_dict(cfg, device, dtype=torch.bfloat16)
@@ -122,10 +194,11 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
         q = dataclasses.replace(q, bits={m: b for m, b in q.bits.items()
                                          if quantizable(shapes[m][1], q.group_size)})
         cfg = cfg.replace(quantization=q)
-        sd = random_quantized_state_dict(cfg, device)
+        sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib else None)
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=2048, max_model_len=4096, block_size=16,
-                        num_kv_blocks=max_num_seqs * 4096 // 16, cuda_graphs=graphs)
+                        num_kv_blocks=max_num_seqs * 4096 // 16, cuda_graphs=graphs,
+                        gpu_gib=gpu_gib)
     return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
 
 
@@ -138,6 +211,8 @@ def main() -> None:
     ap.add_argument("--preset", default="volundr-32b", help="e.g. tiny, for a CPU smoke run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--profile-dir", help="write a kernel breakdown of an eager step here")
+    ap.add_argument("--no-eager", action="store_true", help="with graphs, skip the eager rows")
     args = ap.parse_args()
     dev = torch.device(args.device)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
@@ -146,26 +221,49 @@ def main() -> None:
     res = {"commit": commit, "device": name, "preset": args.preset, "torch": torch.__version__,
            "hbm_copy_GBps": copy_bandwidth(args.device, args.copy_gib) / 1e9, "runs": []}
     print(json.dumps(res), flush=True)
-    for variant in args.variants.split(","):
+    cuda = dev.type == "cuda"
+    for spec in args.variants.split(","):
+        variant, _, gib = spec.partition(":")
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        engine = build(variant, True, 16, args.preset, args.device)
+        engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None)
         wbytes = device_weight_bytes(engine)
         graphs = engine.runner.graphs
-        for use_graphs in (False, True) if graphs is not None else (False,):
+        built = {"build_s": time.perf_counter() - t,
+                 "gpu_mem_after_build_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
+                 "gpu_mem_peak_build_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
+        if args.profile_dir and cuda:
+            try:
+                built["profile_bs1"] = profile_step(
+                    engine, f"{args.profile_dir}/profile_{variant}_bs1.txt", 1)
+                built["profile_bs16"] = profile_step(
+                    engine, f"{args.profile_dir}/profile_{variant}_bs16.txt", 16)
+            except Exception as e:  # the breakdown is extra: never lose the run to it
+                built["profile_error"] = repr(e)
+        modes = (False, True) if graphs is not None else (False,)
+        for use_graphs in modes[1:] if args.no_eager and graphs is not None else modes:
             engine.runner.graphs = graphs if use_graphs else None
-            entry = {"variant": variant, "cuda_graphs": use_graphs,
-                     "build_s": time.perf_counter() - t, "gpu_weight_GB": wbytes / 1e9,
-                     "byte_limit_tok_per_s": res["hbm_copy_GBps"] * 1e9 / wbytes,
-                     "gpu_mem_peak_GB": (torch.cuda.max_memory_allocated() / 1e9
-                                         if dev.type == "cuda" else None)}
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            entry = {"variant": spec, "cuda_graphs": use_graphs, "gpu_gib": gib or None,
+                     **built, "gpu_weight_GB": wbytes / 1e9,
+                     "byte_limit_tok_per_s": res["hbm_copy_GBps"] * 1e9 / wbytes}
             decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
             entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
             entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
+            if use_graphs:
+                entry["single"]["graph_ms"] = graph_ms(engine, 1)
+                entry["batch16"]["graph_ms"] = graph_ms(engine, 16)
+            if cuda:
+                entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
             res["runs"].append(entry)
             print(json.dumps(entry), flush=True)
         del engine, graphs
-        if dev.type == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, dev.index or 0)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

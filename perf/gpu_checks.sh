@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one device call (the H200 lease is short):
 #   device run, carry [".gpu", ".whl"]:  bash perf/gpu_checks.sh
+# (env: TESTS to pick test files, VARIANTS / TOKENS / BENCH_ARGS for bench_decode.py)
 # 1. the CUDA tests (engine on CUDA, CUDA graphs, the budget cap, every kernel at Volundr-32B
 #    shapes, KDA against fla when its wheel is carried in .whl/), 2. the end-to-end decode
 #    benchmark of Volundr-32B (mixed ~3.2-bit, then bf16). Logs and JSON land in $OUT.
@@ -15,9 +16,13 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
 fi
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_attention.py tests/test_kernels_norm.py \
-  tests/test_quant.py tests/test_kernels_kda.py -k "cuda or gpu" 2>&1 | tee "$OUT/gpu_tests.log"
+TESTS=${TESTS:-"tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_engram.py \
+  tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py tests/test_kernels_kda.py"}
+# shellcheck disable=SC2086
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $TESTS -k "cuda or gpu" \
+  2>&1 | tee "$OUT/gpu_tests.log"
 # (KDA last: fla autotunes on its first call, which can take minutes)
+# shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-300}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
-  --variants "${VARIANTS:-mixed,bf16}" --tokens "${TOKENS:-256}" 2>&1 | tee "$OUT/decode.log"
+  --variants "${VARIANTS:-mixed:16,bf16}" --tokens "${TOKENS:-256}" --profile-dir "$OUT" \
+  ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode.log"

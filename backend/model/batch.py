@@ -21,15 +21,15 @@ class ForwardBatch:
     context_lens: torch.Tensor       # [N] int32, device: cached tokens incl. this step's
     max_q_len: int
     max_context_len: int
-    # [T, max_order] long, host: ids[t - max_order + 1 .. t]; the last column is the token itself
-    # (NoPE: no position tensor is needed; token ids are only looked up on the host).
+    # [T, max_order] long: ids[t - max_order + 1 .. t]; the last column is the token itself
+    # (NoPE: no position tensor is needed; ids only index the host tables). On the GPU when the
+    # model's lookups run there (VolundrForCausalLM.lookups_on_gpu), else on the host.
     ngram_ids: torch.Tensor
     logits_indices: torch.Tensor     # [M] long, device: tokens whose next-token logits we need
     # Precomputed input embeddings (images): rows of the packed batch to overwrite, and values.
     embed_positions: torch.Tensor | None = None  # [E] long
     embeds: torch.Tensor | None = None           # [E, hidden]
-    # Host lookups done ahead of the forward (VolundrForCausalLM.gather_inputs), so that the
-    # forward itself is pure device work (CUDA-graph capturable).
+    # The lookups, done ahead of the forward by VolundrForCausalLM.gather_inputs.
     inputs_embeds: torch.Tensor | None = None    # [T, hidden], device
     engram_embeds: dict[int, torch.Tensor] | None = None  # layer -> [T, tables * dim], device
 

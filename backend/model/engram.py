@@ -5,14 +5,16 @@ For n-gram order n and head j the row of token t is hash_{n,j}(ids[t-n+1..t]) mo
 k = W_K e_t, v = W_V e_t, alpha = sigmoid(RMSNorm(h) . RMSNorm(k) / sqrt(d)), u = alpha v,
 h <- h + u + SiLU(causal_conv4(RMSNorm(u))).
 
-The tables are lookup data, not compute: they stay in host memory and only the rows a step
-needs are gathered and copied to the device. Row indices depend on token ids alone, so the
-runner hashes once per step for every Engram layer.
+The tables are lookup data, not compute: they stay in host memory. On CUDA a layer's tables
+are one pinned buffer that the GPU reads in place (volundr.kernels.engram: hash and gather in one
+kernel, inside the decode step's CUDA graph); elsewhere the rows are gathered on the host and
+copied. The hash math is volundr.kernels.engram.naive.engram_rows.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,29 +24,37 @@ from volundr.config import EngramConfig, VolundrConfig
 from volundr.model.batch import ForwardBatch
 from volundr.model.layers import RMSNorm
 
-HASH_MULT = 0x5BD1E995  # < 2**31, so (h < 2**32) * HASH_MULT never overflows int64
-HASH_MASK = 0xFFFFFFFF
+
+@dataclass(frozen=True)
+class LookupMeta:
+    """A layer's J tables as one host buffer `table` [sum p_j, D] (pinned) for the GPU lookup;
+    table j starts at offsets[j]. offsets, sizes, seeds [J] int64, orders [J] int32, on the GPU."""
+    table: torch.Tensor
+    offsets: torch.Tensor
+    sizes: torch.Tensor
+    orders: torch.Tensor
+    seeds: torch.Tensor
 
 
-def engram_rows(ngram_ids: torch.Tensor, e: EngramConfig) -> torch.Tensor:
-    """Table rows of every token.  ngram_ids [T, max_order] (oldest first) -> [T, tables] long.
+def pinned_tables(tables: list[torch.Tensor], e: EngramConfig,
+                  device: torch.device) -> tuple[list[torch.Tensor], LookupMeta]:
+    """Copy the J tables into one pinned buffer; returns views of it (the tables the host path
+    reads) and the LookupMeta of the GPU lookup."""
+    sizes = [t.shape[0] for t in tables]
+    buf = torch.empty(sum(sizes), tables[0].shape[1], dtype=tables[0].dtype, pin_memory=True)
+    views, off = [], 0
+    for t, p in zip(tables, sizes):
+        views.append(buf[off:off + p])
+        views[-1].copy_(t)
+        off += p
+    offsets = torch.tensor([0] + sizes[:-1]).cumsum(0)
+    orders = [n for n in e.ngram_orders for _ in range(e.heads_per_order)]
 
-    hash_{n,j}: h = seed_{n,j}; for each id of the n-gram, oldest first:
-    h = ((h XOR id) * 0x5BD1E995) mod 2**32; row = h mod p_{n,j}.
-    """
-    T, m = ngram_ids.shape
-    ids = ngram_ids.long()
-    sizes = e.table_sizes
-    out = torch.empty(T, e.num_tables, dtype=torch.long, device=ids.device)
-    j = 0
-    for n in e.ngram_orders:
-        for _ in range(e.heads_per_order):
-            h = torch.full((T,), e.hash_seeds[j], dtype=torch.long, device=ids.device)
-            for col in range(m - n, m):
-                h = ((h ^ ids[:, col]) * HASH_MULT) & HASH_MASK
-            out[:, j] = h % sizes[j]
-            j += 1
-    return out
+    def dev(x, dtype=torch.long):
+        return torch.as_tensor(x, dtype=dtype).to(device)
+
+    return views, LookupMeta(buf, dev(offsets), dev(sizes), dev(orders, torch.int32),
+                             dev(list(e.hash_seeds)))
 
 
 class Engram(nn.Module):
@@ -60,20 +70,19 @@ class Engram(nn.Module):
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(d, e.conv_size))
         self.inv_sqrt_d = 1.0 / math.sqrt(d)
-        # Host-resident tables [p_j, dim] (set by the loader, pinned when serving on CUDA) and
-        # the conv tails [slots, d, conv - 1] (bound by the ModelRunner).
+        # Host-resident tables [p_j, dim] (set by the loader; on CUDA views of one pinned
+        # buffer, described by `meta`) and the conv tails [slots, d, conv - 1] (the runner's).
         self.tables: list[torch.Tensor] = []
+        self.meta: LookupMeta | None = None
         self.conv_state: torch.Tensor | None = None
 
-    def gather(self, rows: torch.Tensor, device: torch.device, dtype: torch.dtype):
-        """e [T, tables * dim] on `device`: the looked-up rows, gathered on the host."""
-        e = torch.cat([t[rows[:, j]] for j, t in enumerate(self.tables)], dim=-1)
-        if device.type == "cuda":
-            e = e.pin_memory().to(device, non_blocking=True)
-        return e.to(device=device, dtype=dtype)
+    def lookup(self, ngram_ids: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        """e [T, tables * dim] on `device` for ngram_ids [T, max_order] (on the GPU when the
+        tables are pinned: the GPU hashes and reads them; else on the host)."""
+        return ops.engram_lookup(ngram_ids, self.tables, self.meta, self.cfg, device, dtype)
 
     def forward(self, h: torch.Tensor, b: ForwardBatch, e: torch.Tensor) -> torch.Tensor:
-        """h [T, d]; e [T, tables * dim], the rows gathered by `gather` ahead of the forward."""
+        """h [T, d]; e [T, tables * dim], the rows `lookup` gathered ahead of the forward."""
         k, v = self.k_proj(e), self.v_proj(e)
         score = (self.h_norm(h).float() * self.k_norm(k).float()).sum(-1, keepdim=True)
         u = (torch.sigmoid(score * self.inv_sqrt_d) * v.float()).to(h.dtype)

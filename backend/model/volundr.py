@@ -4,8 +4,10 @@ Every layer: h = h + Mixer(RMSNorm(h)); h = h + MLP(RMSNorm(h)); Engram layers f
 h = h + Engram(h, ids). Then the final RMSNorm and lm_head. The MTP block predicts token i + 2
 from the last hidden state of token i and the embedding of token i + 1 (a draft source).
 
-The token embedding and the Engram tables are host-resident lookup tables (not parameters): the
-rows a step needs are gathered on the host and copied, so they never count against the GPU.
+The token embedding and the Engram tables are host-resident lookup tables (not parameters), so
+they never count against the GPU: on CUDA they are pinned and the GPU reads the rows a step needs
+in place; elsewhere (and for tensor-parallel ranks, which share unpinned tables) the rows are
+gathered on the host and copied.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.attention import Attention
 from volundr.model.batch import ForwardBatch
-from volundr.model.engram import Engram, engram_rows
+from volundr.model.engram import Engram, pinned_tables
 from volundr.model.kda import KDA
 from volundr.model.layers import MLP, RMSNorm
 from volundr.model.parallel import TP, ParallelLMHead
@@ -95,8 +98,13 @@ class VolundrForCausalLM(nn.Module):
         self.embed_tokens = host(sd.pop("model.embed_tokens.weight"))
         for i in self.cfg.engram.layers:
             eng = self.model.layers[i].engram
-            eng.tables = [host(sd.pop(f"model.layers.{i}.engram.tables.{j}"))
-                          for j in range(self.cfg.engram.num_tables)]
+            tables = [sd.pop(f"model.layers.{i}.engram.tables.{j}")
+                      for j in range(self.cfg.engram.num_tables)]
+            if pin:  # one pinned buffer per layer, which the GPU lookup kernel reads in place
+                eng.tables, eng.meta = pinned_tables(tables, self.cfg.engram, device)
+            else:
+                eng.tables = [host(t) for t in tables]
+            del tables
         if self.cfg.tie_word_embeddings:  # (a TP shard already carries its lm_head rows)
             sd.setdefault("lm_head.weight", self.embed_tokens)
         own = dict(self.named_parameters())
@@ -109,31 +117,32 @@ class VolundrForCausalLM(nn.Module):
             m.after_load()
 
     # ---- forward ------------------------------------------------------------------------
-    def embed(self, ids_host: torch.Tensor, device: torch.device, dtype: torch.dtype):
-        """Gather embedding rows on the host, copy them to `device`.  ids [T] -> [T, d]."""
-        e = self.embed_tokens[ids_host.long()]
-        if device.type == "cuda":
-            e = e.pin_memory().to(device, non_blocking=True)
-        return e.to(device=device, dtype=dtype)
+    @property
+    def lookups_on_gpu(self) -> bool:
+        """The host tables are pinned: the GPU reads them in place, so the runner hands the
+        lookups ids on the GPU (and the decode graph captures them)."""
+        return self.embed_tokens is not None and self.embed_tokens.is_pinned()
+
+    def embed(self, ids: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        """Token embeddings, ids [T] -> [T, d] on `device`."""
+        return ops.embedding_lookup(ids.long().unsqueeze(1), self.embed_tokens, device, dtype)
 
     def gather_inputs(self, b: ForwardBatch) -> None:
-        """Host-side lookups of a step: embedding rows and Engram rows, copied to the device
-        into b.inputs_embeds / b.engram_embeds (overwrites image positions with b.embeds)."""
+        """The lookups of a step (embedding rows, Engram rows) into b.inputs_embeds /
+        b.engram_embeds on the device; image positions take b.embeds."""
         # Norm weights are never quantized: they carry the compute dtype and device.
         dtype, device = self.model.norm.weight.dtype, self.model.norm.weight.device
-        h = self.embed(b.ngram_ids[:, -1], device, dtype)
+        h = ops.embedding_lookup(b.ngram_ids, self.embed_tokens, device, dtype)
         if b.embed_positions is not None:
             h[b.embed_positions] = b.embeds.to(h.dtype)
         b.inputs_embeds = h
-        b.engram_embeds = {}
-        if self.cfg.engram.layers:
-            rows = engram_rows(b.ngram_ids, self.cfg.engram)
-            for i in self.cfg.engram.layers:
-                b.engram_embeds[i] = self.model.layers[i].engram.gather(rows, device, dtype)
+        b.engram_embeds = {i: self.model.layers[i].engram.lookup(b.ngram_ids, device, dtype)
+                           for i in self.cfg.engram.layers}
 
     def forward(self, b: ForwardBatch) -> torch.Tensor:
-        """Hidden states of every token before the final norm, [T, d]. Device work only:
-        `gather_inputs(b)` must have run."""
+        """Hidden states of every token before the final norm, [T, d]. With b.ngram_ids on the
+        GPU this is device work only (the decode step's CUDA graph captures all of it)."""
+        self.gather_inputs(b)
         h = b.inputs_embeds
         for i, layer in enumerate(self.model.layers):
             h = layer(h, b, i)
