@@ -76,10 +76,21 @@ class QuantLinear(nn.Module):
     def from_checkpoint(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         bits: int, device: torch.device | str | None = None,
                         **kw) -> QuantLinear:
-        """From the checkpoint tensors; repacks on `device` (default: qweight's)."""
+        """From the checkpoint tensors; repacks on `device` (default: qweight's), a band of
+        output rows at a time: unpacking widens codes to int64, and done at once for lm_head
+        (262144 x 5120) that would be a 5 GiB temporary inside a 16 GiB budget."""
         device = qweight.device if device is None else torch.device(device)
-        q = unpack_bitstream(qweight.to(device), bits)
-        return cls.from_quantized(q, scales.to(device), zeros.to(device), bits, **kw)
+        n, k = qweight.shape[0], qweight.shape[1] * 8 // bits
+        layer = cls(k, n, bits, k // scales.shape[1], device=device, **kw)
+        step = max(256, 2**24 // k)  # int64 temporaries of <= ~128 MiB
+        for r in range(0, n, step):
+            q = unpack_bitstream(qweight[r:r + step].to(device), bits)
+            qa, qb = to_kernel_layout(q, bits, layer.group_size)  # output rows are the last dim
+            layer.qa[:, r:r + step].copy_(qa)
+            if bits == 3:
+                layer.qb[:, r:r + step].copy_(qb)
+        layer.sz.copy_(pack_scale_zero(scales.to(device), zeros.to(device)))
+        return layer
 
     @classmethod
     def concat(cls, mods: list[QuantLinear]) -> QuantLinear | None:

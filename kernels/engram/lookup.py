@@ -14,6 +14,9 @@ import triton.language as tl
 
 from volundr.kernels.engram.naive import HASH_MASK, HASH_MULT
 
+_MULT = tl.constexpr(HASH_MULT)  # jit code reads module globals only as constexpr
+_MASK = tl.constexpr(HASH_MASK)
+
 
 @triton.jit
 def _lookup_kernel(ids_ptr, table_ptr, off_ptr, size_ptr, order_ptr, seed_ptr, out_ptr,
@@ -28,7 +31,7 @@ def _lookup_kernel(ids_ptr, table_ptr, off_ptr, size_ptr, order_ptr, seed_ptr, o
         h = tl.load(seed_ptr + j)
         for c in tl.static_range(M):  # the last n of the M columns, oldest first
             idc = tl.load(ids_row + c)
-            h = tl.where(c >= M - n, ((h ^ idc) * HASH_MULT) & HASH_MASK, h)
+            h = tl.where(c >= M - n, ((h ^ idc) * _MULT) & _MASK, h)
         row = tl.load(off_ptr + j) + h % tl.load(size_ptr + j)
     else:
         row = tl.load(ids_row + M - 1).to(tl.int64)
