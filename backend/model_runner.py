@@ -114,30 +114,43 @@ class ModelRunner:
             if item.samples:
                 logits_idx.append(cu[-1] - 1)
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        ngram_ids = torch.tensor(ngrams, dtype=torch.long)
-        if self.model.lookups_on_gpu:
-            ngram_ids = ngram_ids.pin_memory().to(self.device, non_blocking=True)
-
-        def dev(x, dtype=torch.long):
-            return torch.as_tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+        N, T, M = len(batch), cu[-1], len(logits_idx)
+        ngram_on_device = self.model.lookups_on_gpu or self.device.type == "cpu"
+        # Every index tensor of the step in two host buffers (int64, int32), one copy each.
+        i64 = [item.seq.slot for item in batch] + slot_mapping + logits_idx
+        if ngram_on_device:
+            i64 += [i for row in ngrams for i in row]
+        i32 = cu + ctx + [i for t in tables for i in t + [0] * (width - len(t))]
+        a64, a32 = self._to_device(i64, torch.long), self._to_device(i32, torch.int32)
+        slot_ids, slot_map, logits_indices, ngram_ids = a64.split([N, T, M, len(i64) - N - T - M])
+        cu_seqlens, context_lens, table = a32.split([N + 1, N, N * width])
+        if ngram_on_device:
+            ngram_ids = ngram_ids.view(T, m)
+        else:  # tensor-parallel ranks look the rows up on the host
+            ngram_ids = torch.tensor(ngrams, dtype=torch.long).view(T, m)
 
         b = ForwardBatch(
-            cu_seqlens=dev(cu, torch.int32),
+            cu_seqlens=cu_seqlens,
             cu_list=cu,
-            slot_ids=dev([item.seq.slot for item in batch]),
-            slot_mapping=dev(slot_mapping),
-            block_tables=table.to(self.device, non_blocking=True),
-            context_lens=dev(ctx, torch.int32),
+            slot_ids=slot_ids,
+            slot_mapping=slot_map,
+            block_tables=table.view(N, width),
+            context_lens=context_lens,
             max_q_len=max(item.num_new_tokens for item in batch),
             max_context_len=max(ctx),
             ngram_ids=ngram_ids,
-            logits_indices=dev(logits_idx),
+            logits_indices=logits_indices,
         )
         if embeds:
-            b.embed_positions = dev(embed_rows)
+            b.embed_positions = self._to_device(embed_rows, torch.long)
             b.embeds = torch.stack(embeds).to(self.device, non_blocking=True)
         return b
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":  # pinned: the copy is asynchronous
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -5,7 +5,7 @@ CPU tensors, or `VOLUNDR_NAIVE=1`, take the naive PyTorch references. The model 
 functions below, so swapping a kernel never touches model code.
 
 Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
-  kda_mixer   q, k [T, H, K] (pre-L2-norm), v [T, H, V], g [T, H, K] (log decay), beta [T, H],
+  kda_mixer   q, k [T, H, K] (pre-L2-norm), v [T, H, V], gate logits [T, H, K], beta logits [T, H],
               state [slots, H, K, V] fp32 updated in place at `slot_ids` [N].
   causal_conv x [T, C], weight [C, W], conv_state [slots, C, W - 1] updated in place.
   attention   q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D].
@@ -22,8 +22,13 @@ import torch
 
 from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
 from volundr.kernels.engram.naive import engram_rows, naive_lookup
-from volundr.kernels.kda.naive import naive_causal_conv1d, naive_chunk_kda, naive_recurrent_kda
-from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
+from volundr.kernels.kda.naive import (
+    kda_gate,
+    naive_causal_conv1d,
+    naive_chunk_kda,
+    naive_recurrent_kda,
+)
+from volundr.kernels.norm.naive import naive_rms_norm, naive_rms_norm_gated, naive_swiglu
 
 
 @functools.cache
@@ -44,12 +49,17 @@ def _fast(x: torch.Tensor, name: str):
     return _fast_module(name) if x.is_cuda else None
 
 
-def kda_mixer(q, k, v, g, beta, state: torch.Tensor, slot_ids: torch.Tensor,
-              cu_seqlens: torch.Tensor, cu_list: list[int], scale: float) -> torch.Tensor:
-    """KDA over packed sequences with per-sequence recurrent state; returns o [T, H, V]."""
+def kda_mixer(q, k, v, g_raw, beta_raw, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+              state: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+              cu_list: list[int], scale: float) -> torch.Tensor:
+    """KDA over packed sequences with per-sequence recurrent state; returns o [T, H, V].
+    The decay g = -exp(A_log) * softplus(g_raw + dt_bias) and beta = sigmoid(beta_raw) are
+    applied inside the kernels on CUDA."""
     fast = _fast(q, "kda")
     if fast is not None:
-        return fast.kda_mixer(q, k, v, g, beta, state, slot_ids, cu_seqlens, cu_list, scale)
+        return fast.kda_mixer(q, k, v, g_raw, beta_raw, state, slot_ids, cu_seqlens, cu_list,
+                              scale, A_log=A_log, dt_bias=dt_bias)
+    g, beta = kda_gate(g_raw, A_log, dt_bias), torch.sigmoid(beta_raw.float())
     init = state[slot_ids]
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0))
     decode = all(cu_list[i + 1] - cu_list[i] <= 1 for i in range(len(cu_list) - 1))
@@ -97,6 +107,14 @@ def rms_norm(x, weight, eps: float, residual=None):
     if fast is not None:
         return fast.rms_norm(x, weight, eps, residual)
     return naive_rms_norm(x, weight, eps, residual)
+
+
+def rms_norm_gated(x, weight, gate, eps: float):
+    """RMSNorm(x) * sigmoid(gate) over the last dim (KDA's output norm); x, gate [..., C]."""
+    fast = _fast(x, "norm")
+    if fast is not None:
+        return fast.rms_norm_gated(x, weight, gate, eps)
+    return naive_rms_norm_gated(x, weight, gate, eps)
 
 
 def swiglu(gate, up):

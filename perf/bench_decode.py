@@ -142,13 +142,42 @@ def profile_step(engine: LLMEngine, path: str, batch: int = 1) -> dict:
         cats[cat] += us / steps
         rows.append((us / steps, ev.count // steps, cat, name))
     rows.sort(reverse=True)
-    with open(path, "w") as f:
+    with open(path, "a") as f:
         f.write(f"# eager decode step, batch {batch}: us per step, launches per step, kernel\n")
         for us, n, cat, name in rows[:60]:
             f.write(f"{us:10.1f} {n:5d} {cat:13s} {name[:140]}\n")
     return {"batch": batch, "kernel_us_per_step": dict(sorted(cats.items())),
             "kernel_ms_total": sum(cats.values()) / 1e3,
             "launches_per_step": sum(r[1] for r in rows)}
+
+
+def profile_host(engine: LLMEngine, path: str, steps: int = 30) -> dict:
+    """Where the host's time goes in graph decode steps at batch 1: CPU-side ops and CUDA
+    runtime calls by self time (top 40 to `path`), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(16, 80)), p, "host")
+    for _ in range(4):
+        engine.step()
+    sync()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    wall = (time.perf_counter() - t) / steps
+    while engine.has_unfinished():
+        engine.step()
+    rows = sorted(((ev.self_cpu_time_total / steps, ev.count // steps, ev.key)
+                   for ev in prof.key_averages()), reverse=True)
+    with open(path, "a") as f:
+        f.write(f"# graph decode step, batch 1 (profiled wall {wall * 1e3:.2f} ms/step): "
+                "self CPU us per step, calls per step, op\n")
+        for us, n, name in rows[:40]:
+            f.write(f"{us:10.1f} {n:5d} {name[:120]}\n")
+    return {"wall_ms_per_step": wall * 1e3,
+            "top_self_cpu_us": {name[:60]: round(us, 1) for us, _, name in rows[:8]}}
 
 
 @torch.no_grad()
@@ -237,9 +266,12 @@ def main() -> None:
         if args.profile_dir and cuda:
             try:
                 built["profile_bs1"] = profile_step(
-                    engine, f"{args.profile_dir}/profile_{variant}_bs1.txt", 1)
+                    engine, f"{args.profile_dir}/profile_{variant}.txt", 1)
                 built["profile_bs16"] = profile_step(
-                    engine, f"{args.profile_dir}/profile_{variant}_bs16.txt", 16)
+                    engine, f"{args.profile_dir}/profile_{variant}.txt", 16)
+                if graphs is not None:
+                    built["host_bs1"] = profile_host(
+                        engine, f"{args.profile_dir}/profile_{variant}.txt")
             except Exception as e:  # the breakdown is extra: never lose the run to it
                 built["profile_error"] = repr(e)
         modes = (False, True) if graphs is not None else (False,)

@@ -14,8 +14,8 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
+{ git rev-parse HEAD; git status --short; \
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$OUT/env.txt" 2>&1
 TESTS=${TESTS:-"tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_engram.py \
   tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py tests/test_kernels_kda.py"}
 # shellcheck disable=SC2086

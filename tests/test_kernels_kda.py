@@ -110,6 +110,13 @@ def check_conv(lens, C, W, with_state, device="cpu", dtype=torch.float32):
         assert rel(got[idx], tails) < tol, f"conv state {lens}"
 
 
+def make_ref_from_raw(x, dtype):
+    """The reference for logits rounded to `dtype` (as the engine's bf16 projections give)."""
+    y = dict(x, g=kda_gate(x["g_raw"].to(dtype), x["A_log"], x["dt_bias"]),
+             beta=x["b_raw"].to(dtype).float().sigmoid())
+    return reference(y)
+
+
 def check_engine(device="cpu", dtype=torch.float32, H=2, K=32, tol=1e-4):
     """engine.kda_mixer / causal_conv (what volundr.ops calls on CUDA) == the ops' naive math."""
     from volundr.kernels.kda import engine
@@ -122,6 +129,14 @@ def check_engine(device="cpu", dtype=torch.float32, H=2, K=32, tol=1e-4):
                              x["idx"], x["cu"], cu_list, K ** -0.5)
         errs = [rel(o, o_ref[0]), rel(pool[x["idx"]], s_ref)]
         assert max(errs) < tol, f"engine.kda_mixer {lens}: {errs}"
+        # the engine's form: gate and beta logits, activations applied in the kernels
+        pool = x["pool"].clone()
+        o = engine.kda_mixer(x["q"][0], x["k"][0], x["v"][0], x["g_raw"][0].to(dtype),
+                             x["b_raw"][0].to(dtype), pool, x["idx"], x["cu"], cu_list,
+                             K ** -0.5, A_log=x["A_log"], dt_bias=x["dt_bias"])
+        ref = make_ref_from_raw(x, dtype)
+        errs = [rel(o, ref[0][0]), rel(pool[x["idx"]], ref[1])]
+        assert max(errs) < tol, f"engine.kda_mixer raw gates {lens}: {errs}"
         C = 3 * H * K
         xc = torch.randn(sum(lens), C, device=device, dtype=dtype)
         w = torch.randn(C, 4, device=device, dtype=dtype)

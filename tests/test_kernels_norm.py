@@ -1,4 +1,5 @@
-"""Fused RMSNorm (+ residual) and SwiGLU Triton kernels == naive references, fresh random inputs.
+"""Fused RMSNorm (+ residual, or gated) and SwiGLU Triton kernels == naive references, fresh
+random inputs.
 
 CPU: TRITON_INTERPRET=1 in a subprocess (this file run as a script), so the variable never
 reaches other test modules. The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to
@@ -15,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
+from volundr.kernels.norm.naive import naive_rms_norm, naive_rms_norm_gated, naive_swiglu
 
 CUDA = torch.cuda.is_available()
 # max |out - ref| / max(1, |ref|): 2 ulps of the output dtype (rounding of fp32 math)
@@ -56,6 +57,19 @@ def check_rms_norm(shape, dtype, device, seed, residual: bool, exact_sum: bool) 
     _close(y, yr, dtype, msg)
 
 
+def check_rms_norm_gated(shape, dtype, device, seed) -> None:
+    from volundr.kernels.norm.engine import rms_norm_gated
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    w = (torch.randn(shape[-1], generator=g) + 1).to(dtype).to(device)
+    # the gate as the model passes it: a strided view of a wider projection output
+    wide = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 2).to(dtype).to(device)
+    gate = wide[..., : shape[-1]]
+    _close(rms_norm_gated(x, w, gate, 1e-6), naive_rms_norm_gated(x, w, gate, 1e-6), dtype,
+           f"gated seed={seed} shape={shape} {dtype}")
+
+
 def check_swiglu(rows, cols, dtype, device, seed) -> None:
     from volundr.kernels.norm.engine import swiglu
 
@@ -78,6 +92,8 @@ def run_cpu() -> None:
             for res in (False, True):
                 check_rms_norm(shape, dtype, "cpu", _seed(), res, dtype != torch.bfloat16)
         check_swiglu(5, 200, dtype, "cpu", _seed())
+        for shape in [(3, 4, 32), (5, 100), (0, 16)]:
+            check_rms_norm_gated(shape, dtype, "cpu", _seed())
 
 
 def test_interpreter():
@@ -95,6 +111,12 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("residual", [False, True])
 def test_cuda_rms_norm(shape, residual):
     check_rms_norm(shape, torch.bfloat16, "cuda", _seed(), residual, exact_sum=True)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1, 40, 128), (16, 40, 128), (4000, 40, 128)])
+def test_cuda_rms_norm_gated(shape):
+    check_rms_norm_gated(shape, torch.bfloat16, "cuda", _seed())
 
 
 @gpu

@@ -15,7 +15,6 @@ from torch import nn
 
 from volundr import ops
 from volundr.config import VolundrConfig
-from volundr.kernels.kda.naive import kda_gate
 from volundr.model.batch import ForwardBatch
 from volundr.model.layers import FusedLinear
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
@@ -59,7 +58,11 @@ class KDA(nn.Module):
         self.qkv_conv_weight = torch.cat(
             [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
         self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        # the three small projections of x (two low-rank, beta): one GEMV instead of three
+        self.x_proj = FusedLinear([self.f_a_proj, self.g_a_proj, self.b_proj])
+        self.x_split = [self.f_a_proj.out_features, self.g_a_proj.out_features,
+                        self.b_proj.out_features]
+        del self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj
 
     def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
@@ -67,11 +70,10 @@ class KDA(nn.Module):
         qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
                               b.cu_seqlens, activation="silu")
         q, k, v = qkv.view(T, 3, H, K).unbind(1)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        o = ops.kda_mixer(q, k, v, g, beta, self.state, b.slot_ids, b.cu_seqlens, b.cu_list,
+        f, ga, beta = self.x_proj(x).split(self.x_split, dim=-1)
+        # decay and beta stay logits: the KDA kernels apply softplus / exp / sigmoid
+        o = ops.kda_mixer(q, k, v, self.f_b_proj(f).view(T, H, K), beta, self.A_log,
+                          self.dt_bias, self.state, b.slot_ids, b.cu_seqlens, b.cu_list,
                           scale=K ** -0.5)                                 # [T, H, V]
-        o = ops.rms_norm(o, self.o_norm.weight, self.eps)
-        gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x)).float()).view(T, H, K)
-        o = (o.float() * gate).to(x.dtype)
+        o = ops.rms_norm_gated(o, self.o_norm.weight, self.g_b_proj(ga).view(T, H, K), self.eps)
         return self.o_proj(o.reshape(T, H * K))

@@ -27,25 +27,28 @@ def _max_len(cu_list: list[int], T: int) -> int:
 
 def kda_mixer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
-              cu_seqlens: torch.Tensor, cu_list: list[int], scale: float) -> torch.Tensor:
+              cu_seqlens: torch.Tensor, cu_list: list[int], scale: float,
+              A_log: torch.Tensor | None = None,
+              dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """KDA over packed sequences. q, k [T, H, K] (pre-L2-norm, any token stride); v [T, H, V];
-    g [T, H, K] log decay; beta [T, H] (after sigmoid); state [slots, H, K, V] fp32, rows
-    slot_ids [N] updated in place; cu_seqlens [N + 1] int32 (cu_list: the same on the host).
-    Returns o [T, H, V] in v.dtype."""
+    g [T, H, K] log decay and beta [T, H] after sigmoid, or, with A_log [H] (and dt_bias
+    [H * K]), the raw logits of both: the kernels then apply the gate
+    g = -exp(A_log) * softplus(g + dt_bias) and the sigmoid (no separate launches for them);
+    state [slots, H, K, V] fp32, rows slot_ids [N] updated in place; cu_seqlens [N + 1] int32
+    (cu_list: the same on the host). Returns o [T, H, V] in v.dtype."""
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0))
+    raw = A_log is not None
+    kw = dict(scale=scale, initial_state=state, cu_seqlens=cu_seqlens, ssm_state_indices=slot_ids,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=raw,
+              use_beta_sigmoid_in_kernel=raw, A_log=A_log, dt_bias=dt_bias)
     T, N = q.shape[0], len(cu_list) - 1
     if T == N and cu_list == list(range(N + 1)):
         # decode: one token per sequence
-        o, _ = fused_recurrent_kda(*args, scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
-                                   ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True,
-                                   one_token_per_seq=True)
+        o, _ = fused_recurrent_kda(*args, one_token_per_seq=True, **kw)
     elif _max_len(cu_list, T) <= DECODE_MAX_LEN:
-        o, _ = fused_recurrent_kda(*args, scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
-                                   ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True)
+        o, _ = fused_recurrent_kda(*args, **kw)
     else:
-        o, _ = chunk_kda(*args, scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
-                         cu_seqlens_cpu=cu_list, ssm_state_indices=slot_ids,
-                         use_qk_l2norm_in_kernel=True)
+        o, _ = chunk_kda(*args, cu_seqlens_cpu=cu_list, **kw)
     return o.squeeze(0)
 
 

@@ -1,4 +1,5 @@
-"""Fused RMSNorm (+ residual add) and SwiGLU in Triton; the engine calls these on CUDA.
+"""Fused RMSNorm (+ residual add, or a sigmoid output gate) and SwiGLU in Triton; the engine
+calls these on CUDA.
 
 Both are memory-bound: each element is read once and written once, math in fp32. RMSNorm
 handles ROWS rows per program so that narrow rows (the KDA per-head norm, 128 wide) still give
@@ -49,6 +50,24 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o,
     tl.store(o_ptr + row * stride_o + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, eps,
+                           stride_x, stride_g, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    xf = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    # the normalised value is rounded to the activation dtype before the gate, as the reference
+    y = (xf * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :],
+             (y * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., C] as a 2-D [R, C] view (a copy only if no view exists) with unit column stride."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -84,6 +103,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
         HAS_RES=residual is not None, ROWS=rows, BLOCK=block, num_warps=num_warps)
     return (y, s) if residual is not None else y
+
+
+def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """RMSNorm(x) * sigmoid(gate) over the last dim in one pass (KDA's output norm: per head,
+    C = head_dim). x, gate [..., C] (any row strides); weight [C]; out in x.dtype (as
+    volundr.kernels.norm.naive.naive_rms_norm_gated)."""
+    C = x.shape[-1]
+    x2, g2 = _rows(x), _rows(gate)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, C)
+    R = x2.shape[0]
+    if R == 0:
+        return y
+    block = triton.next_power_of_2(C)
+    rows = max(1, min(16, 4096 // block))
+    _rms_norm_gated_kernel[(triton.cdiv(R, rows),)](
+        x2, g2, weight, y2, R, C, eps, x2.stride(0), g2.stride(0), y2.stride(0),
+        ROWS=rows, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return y
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

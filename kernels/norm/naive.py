@@ -1,4 +1,4 @@
-"""Reference RMSNorm (with optional fused residual add) and SwiGLU."""
+"""Reference RMSNorm (with optional fused residual add, or a sigmoid output gate) and SwiGLU."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return (y, x) if residual is not None else y
+
+
+def naive_rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """KDA's output norm: RMSNorm(x) (rounded to x.dtype) * sigmoid(gate), math in fp32, out in
+    x.dtype. x, gate [..., C]; weight [C]."""
+    y = naive_rms_norm(x, weight, eps)
+    return (y.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 def naive_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
