@@ -37,13 +37,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.engram = Engram(cfg) if engram else None  # replicated on every rank
 
-    def forward(self, h: torch.Tensor, b: ForwardBatch, layer_idx: int | None = None):
-        if self.engram is not None:
-            h = self.engram(h, b, b.engram_embeds[layer_idx])
+    def forward(self, h: torch.Tensor, b: ForwardBatch, layer_idx: int | None = None,
+                delta: torch.Tensor | None = None):
+        """The residual stream is h + delta (delta: the previous layer's MLP output, or None):
+        the add happens inside this layer's first norm, not as a separate kernel. Returns the
+        (h, delta) of the next layer."""
+        if delta is not None and self.engram is None:
+            x, h = self.input_layernorm(delta, residual=h)  # h += delta; x = norm(h)
+        else:
+            if delta is not None:
+                h = h + delta
+            if self.engram is not None:
+                h = self.engram(h, b, b.engram_embeds[layer_idx])
+            x = self.input_layernorm(h)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.kda
-        out = mixer(self.input_layernorm(h), b)
-        x, h = self.post_attention_layernorm(out, residual=h)  # h += out; x = norm(h)
-        return h + self.mlp(x)
+        x, h = self.post_attention_layernorm(mixer(x, b), residual=h)  # h += out; x = norm(h)
+        return h, self.mlp(x)
 
 
 class MTPBlock(nn.Module):
@@ -58,7 +67,8 @@ class MTPBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, b: ForwardBatch):
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self.layer(x, b)
+        h, delta = self.layer(x, b)
+        return h + delta
 
 
 class VolundrModel(nn.Module):
@@ -143,10 +153,10 @@ class VolundrForCausalLM(nn.Module):
         """Hidden states of every token before the final norm, [T, d]. With b.ngram_ids on the
         GPU this is device work only (the decode step's CUDA graph captures all of it)."""
         self.gather_inputs(b)
-        h = b.inputs_embeds
+        h, delta = b.inputs_embeds, None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, b, i)
-        return h
+            h, delta = layer(h, b, i, delta)
+        return h + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Final norm + lm_head of selected hidden states [M, d] -> fp32 logits [M, vocab].
