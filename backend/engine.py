@@ -29,10 +29,13 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture the decode step on CUDA
     tensor_parallel_size: int = 1  # ranks (devices), one process each: volundr.distributed
     gpu_gib: float | None = None  # hard cap on each rank's CUDA allocator (the memory plan's)
+    # Greedy decode-only steps run up to this many tokens per engine step, the next input fed
+    # on the device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "num_kv_blocks", "tensor_parallel_size"):
+                     "num_kv_blocks", "tensor_parallel_size", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
@@ -117,6 +120,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        steps = self._decode_steps(batch)
+        if steps > 1:
+            return self._postprocess_steps(batch, self.runner.run_decode_steps(batch, steps))
         try:
             tokens = self.runner.run(batch)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
@@ -124,6 +130,47 @@ class LLMEngine:
                 self.abort(rid)
             raise
         return self._postprocess(batch, tokens)
+
+    def _decode_steps(self, batch: list[ScheduledSeq]) -> int:
+        """How many greedy tokens this step may produce per sequence (1 unless the batch is all
+        greedy decodes, nothing waits to be admitted, every sequence has room for them and the
+        KV blocks for the extra positions are free; those blocks are then taken)."""
+        k = self.ecfg.decode_steps
+        if k <= 1 or self.scheduler.waiting or not isinstance(self.runner, ModelRunner):
+            return 1
+        for item in batch:
+            s = item.seq
+            if item.num_new_tokens != 1 or not item.samples or not s.params.greedy:
+                return 1
+            k = min(k, s.params.max_tokens - s.num_output_tokens,
+                    self.ecfg.max_model_len - s.num_tokens)
+        bm = self.block_manager
+        if k <= 1 or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k)
+                         for it in batch) > bm.num_free:
+            return 1
+        for item in batch:
+            bm.grow(item.seq, item.seq.num_computed_tokens + k)
+        return k
+
+    def _postprocess_steps(self, batch: list[ScheduledSeq],
+                           tokens: list[list[int]]) -> list[RequestOutput]:
+        """tokens [steps][len(batch)]: each step postprocessed as a one-token step; a sequence
+        that stops drops the rest of its tokens (computed, never emitted). One merged output
+        per request."""
+        merged: dict[str, RequestOutput] = {}
+        alive = list(enumerate(batch))
+        for row in tokens:
+            outs = self._postprocess([ScheduledSeq(it.seq, 1) for _, it in alive],
+                                     [row[i] for i, _ in alive])
+            for o in outs:
+                prev = merged.get(o.request_id)
+                merged[o.request_id] = o if prev is None else RequestOutput(
+                    o.request_id, prev.new_token_ids + o.new_token_ids, o.finished,
+                    o.finish_reason, o.num_prompt_tokens, o.num_output_tokens)
+            alive = [(i, it) for i, it in alive if not merged[it.seq.request_id].finished]
+            if not alive:
+                break
+        return list(merged.values())
 
     def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int]) -> list[RequestOutput]:
         outs, it = [], iter(tokens)

@@ -49,11 +49,13 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  block_size: int = 16, gpu_gib: float | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, decode_steps: int = 1):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
-        `if __name__ == "__main__":` (the workers are spawned)."""
+        `if __name__ == "__main__":` (the workers are spawned).
+        decode_steps K > 1: greedy decode-only steps produce up to K tokens per engine step
+        (EngineConfig.decode_steps)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
@@ -74,7 +76,8 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=block_size,
                             num_kv_blocks=num_kv_blocks, seed=seed,
-                            tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib)
+                            tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib,
+                            decode_steps=decode_steps)
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
         del state_dict
 

@@ -153,6 +153,35 @@ class ModelRunner:
         return t
 
     @torch.inference_mode()
+    def run_decode_steps(self, batch: list[ScheduledSeq], steps: int) -> list[list[int]]:
+        """`steps` greedy decode steps of a batch of decoding sequences (one token each, KV
+        blocks already grown for every position): step j's input token is step j - 1's argmax,
+        fed on the device (the n-gram window shifts, positions advance), so the host enqueues
+        all steps (graph replays when captured) and syncs once. Returns token ids
+        [steps][len(batch)]."""
+        b = self.prepare(batch)
+        n, bs = len(batch), self.block_size
+        seqs = [item.seq for item in batch]
+        p0 = [s.num_computed_tokens for s in seqs]  # position of step 0's token
+        pos = [[p + j for p in p0] for j in range(1, steps)]
+        slot_map = self._to_device([s.block_table[p // bs] * bs + p % bs
+                                    for row in pos for p, s in zip(row, seqs)], torch.long)
+        ctx = self._to_device([p + 1 for row in pos for p in row], torch.int32)
+        toks = torch.empty(steps, n, dtype=torch.long, device=self.device)
+        for j in range(steps):
+            if j:
+                b.slot_mapping = slot_map[(j - 1) * n:j * n]
+                b.context_lens = ctx[(j - 1) * n:j * n]
+                b.max_context_len += 1
+                b.ngram_ids = torch.cat([b.ngram_ids[:, 1:], toks[j - 1].unsqueeze(1)], dim=1)
+            if self.graphs is not None and self.graphs.can_run(b):
+                logits = self.graphs.run(b)
+            else:
+                logits = self.model.compute_logits(self.model(b)[b.logits_indices])
+            toks[j] = logits.argmax(dim=1)  # the Sampler's greedy choice
+        return toks.tolist()
+
+    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         """One forward over the batch; returns a sampled token for each item that samples."""
         fresh = [item.seq.slot for item in batch if item.seq.num_computed_tokens == 0]

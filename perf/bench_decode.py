@@ -7,7 +7,8 @@ alone), so that ms_per_step - graph_ms is the host's share; and a kernel-time br
 eager decode step (torch.profiler) when --profile-dir is given.
 
 Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
-cap), e.g. mixed:16 for the 16 GiB profile.
+cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per
+engine step (EngineConfig.decode_steps), e.g. mixed:16@4.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -87,7 +88,8 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
     sync()
     dt = time.perf_counter() - t0
     return {"batch": batch, "prompt_len": prompt_len, "decode_tokens": n, "steps": steps,
-            "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1)}
+            "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1),
+            "ms_per_token": 1e3 * dt * batch / max(n, 1)}  # per token of one sequence
 
 
 def graph_ms(engine: LLMEngine, bs: int, reps: int = 50) -> float | None:
@@ -210,7 +212,7 @@ def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
 
 
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
-          device: str, gpu_gib: float | None = None) -> LLMEngine:
+          device: str, gpu_gib: float | None = None, decode_steps: int = 1) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
     (a hard cap on the allocator from the engine's construction on)."""
@@ -227,7 +229,7 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=2048, max_model_len=4096, block_size=16,
                         num_kv_blocks=max_num_seqs * 4096 // 16, cuda_graphs=graphs,
-                        gpu_gib=gpu_gib)
+                        gpu_gib=gpu_gib, decode_steps=decode_steps)
     return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
 
 
@@ -252,12 +254,14 @@ def main() -> None:
     print(json.dumps(res), flush=True)
     cuda = dev.type == "cuda"
     for spec in args.variants.split(","):
-        variant, _, gib = spec.partition(":")
+        spec_bits, _, steps = spec.partition("@")
+        variant, _, gib = spec_bits.partition(":")
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None)
+        engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
+                       int(steps or 1))
         wbytes = device_weight_bytes(engine)
         graphs = engine.runner.graphs
         built = {"build_s": time.perf_counter() - t,
@@ -266,12 +270,12 @@ def main() -> None:
         if args.profile_dir and cuda:
             try:
                 built["profile_bs1"] = profile_step(
-                    engine, f"{args.profile_dir}/profile_{variant}.txt", 1)
+                    engine, f"{args.profile_dir}/profile_{spec.replace(':', '_')}.txt", 1)
                 built["profile_bs16"] = profile_step(
-                    engine, f"{args.profile_dir}/profile_{variant}.txt", 16)
+                    engine, f"{args.profile_dir}/profile_{spec.replace(':', '_')}.txt", 16)
                 if graphs is not None:
                     built["host_bs1"] = profile_host(
-                        engine, f"{args.profile_dir}/profile_{variant}.txt")
+                        engine, f"{args.profile_dir}/profile_{spec.replace(':', '_')}.txt")
             except Exception as e:  # the breakdown is extra: never lose the run to it
                 built["profile_error"] = repr(e)
         modes = (False, True) if graphs is not None else (False,)

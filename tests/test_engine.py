@@ -229,3 +229,57 @@ def test_precomputed_input_embeddings_at_given_positions(tiny):
         make_engine(tiny).add_request(ids, greedy, "x", input_embeds={99: vecs[10]})
     with pytest.raises(ValueError, match="shape"):
         make_engine(tiny).add_request(ids, greedy, "y", input_embeds={3: torch.zeros(5)})
+
+
+def _multi_step_requests(reference: dict[str, list[int]] | None, ps):
+    """Greedy requests of odd lengths; with the one-token-per-step outputs known, request 1 gets
+    a stop token from the middle of its output (it must stop there, inside a multi-step)."""
+    reqs = []
+    for i, p in enumerate(ps):
+        stop = []
+        if reference is not None and i == 1:
+            stop = [reference["r1"][5]]
+        params = SamplingParams(max_tokens=[5, 13, 9, 11][i % 4], temperature=0.0,
+                                ignore_eos=True, stop_token_ids=stop)
+        reqs.append((f"r{i}", p, params))
+    return reqs
+
+
+def check_multi_step_decode(device: str, dtype=torch.float32, tiny=None, engine_kw=None):
+    """decode_steps = 4 gives the ids of one token per step, incl. a stop token inside a run,
+    odd max_tokens, the context limit and staggered arrivals; every block and slot is freed."""
+    ps = prompts(6, 11)
+    kw = dict(device=device, dtype=dtype, **(engine_kw or {}))
+    arrivals = [0, 0, 0, 2, 9, 9]
+    first = run_all(make_engine(tiny, **kw), _multi_step_requests(None, ps), arrivals)
+    ref = run_all(make_engine(tiny, **kw), _multi_step_requests(first, ps), arrivals)
+    engine = make_engine(tiny, decode_steps=4, **kw)
+    steps = 0
+    orig = engine.runner.run_decode_steps
+
+    def counted(batch, k):
+        nonlocal steps
+        steps += 1
+        return orig(batch, k)
+
+    engine.runner.run_decode_steps = counted
+    got = run_all(engine, _multi_step_requests(first, ps), arrivals)
+    assert got == ref
+    assert steps > 0, "no multi-step decode ran"
+    assert len(ref["r1"]) == first["r1"].index(first["r1"][5])  # stopped at its stop token
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats["num_slots_free"] == stats["num_slots_total"]
+    # the context limit: a prompt 3 tokens short of max_model_len gets 3 tokens, then "length"
+    engine = make_engine(tiny, decode_steps=4, max_model_len=64, num_kv_blocks=40, **kw)
+    engine.add_request(list(range(3, 64 - 3 + 3)), SamplingParams(max_tokens=50,
+                                                                   temperature=0.0), "edge")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert sum(len(o.new_token_ids) for o in outs) <= 3 and outs[-1].finish_reason in (
+        "length", "stop")
+
+
+def test_multi_step_greedy_decode_equals_single_steps(tiny):
+    check_multi_step_decode("cpu", tiny=tiny)

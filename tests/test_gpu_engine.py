@@ -56,3 +56,13 @@ def test_gpu_budget_is_a_hard_cap():
             torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB > the 0.5 GiB cap
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_cuda_multi_step_decode_with_graphs():
+    """decode_steps = 4 replays the captured graph 4 times per engine step, feeding each argmax
+    on the device: the same ids as one token per step (fp32, so eager == graph exactly)."""
+    from test_engine import check_multi_step_decode
+
+    cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
+    tiny = (cfg, random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1))
+    check_multi_step_decode("cuda", torch.float32, tiny=tiny)

@@ -105,3 +105,13 @@ def test_missing_tritonserver_is_one_line(tiny_dir, tmp_path):
                "--metrics-port", "0", "--proxy-port", "0",
                env={"TRITONSERVER": str(tmp_path / "tritonserver")})
     _one_line_error(p, "TRITONSERVER")
+
+
+def test_flags_override_the_profile(tiny_dir):
+    from volundr.serve.launcher import build_options, parse_args
+
+    o = build_options(parse_args(["--model", str(tiny_dir), "--decode-steps", "4",
+                                  "--max-num-seqs", "3"]))
+    assert (o.profile.decode_steps, o.profile.max_num_seqs) == (4, 3)
+    assert build_options(parse_args(["--model", str(tiny_dir)])).profile.decode_steps == \
+        PROFILES["cpu"].decode_steps

@@ -122,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, help="context length, overrides the profile's")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallel over GPUs cuda:0..N-1 of this machine (2 or 4)")
+    ap.add_argument("--decode-steps", type=int, help="greedy tokens per engine step when only "
+                    "decodes run (fewer host round trips), overrides the profile's")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -147,6 +149,8 @@ def build_options(args: argparse.Namespace):
         changes["gpu_gib"] = args.gpu_gib
     if args.max_num_seqs is not None:
         changes["max_num_seqs"] = args.max_num_seqs
+    if args.decode_steps is not None:
+        changes["decode_steps"] = args.decode_steps
     changes["tensor_parallel_size"] = args.tp
     changes["max_model_len"] = context_len(model_dir, args.max_model_len or p.max_model_len)
     profile = dataclasses.replace(p, **changes)

@@ -23,6 +23,7 @@ class Profile:
     max_inflight: int  # ensemble backpressure, where the server supports it
     note: str
     tensor_parallel_size: int = 1  # GPUs cuda:0..N-1 of one machine (--tp)
+    decode_steps: int = 1  # greedy tokens per engine step when only decodes run
 
 
 PROFILES: dict[str, Profile] = {

@@ -127,6 +127,7 @@ class ServingStack:
                "max_num_batched_tokens": str(p.max_num_batched_tokens),
                "max_model_len": str(p.max_model_len),
                "tensor_parallel_size": str(p.tensor_parallel_size),
+               "decode_steps": str(p.decode_steps),
                "max_inflight": str(p.max_inflight),
                "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
         tok = {"model_dir": str(o.model_dir)}

@@ -70,7 +70,8 @@ class TritonPythonModel:
                        max_num_batched_tokens=int(params.get("max_num_batched_tokens", 256)),
                        max_model_len=int(params.get("max_model_len", 0)) or None,
                        gpu_gib=float(gpu_gib) if gpu_gib else None,
-                       tensor_parallel_size=int(params.get("tensor_parallel_size") or 1))
+                       tensor_parallel_size=int(params.get("tensor_parallel_size") or 1),
+                       decode_steps=int(params.get("decode_steps") or 1))
         self.defaults = generation_defaults(self.llm.model_dir)
         self.loop = EngineLoop(self.llm,
                                max_in_flight=int(params.get("max_inflight") or 0) or None).start()
