@@ -133,10 +133,13 @@ class LLMEngine:
 
     def _decode_steps(self, batch: list[ScheduledSeq]) -> int:
         """How many greedy tokens this step may produce per sequence (1 unless the batch is all
-        greedy decodes, nothing waits to be admitted, every sequence has room for them and the
-        KV blocks for the extra positions are free; those blocks are then taken)."""
+        greedy decodes, no waiting request could be admitted now, every sequence has room for
+        them and the KV blocks for the extra positions are free; those blocks are then taken)."""
         k = self.ecfg.decode_steps
-        if k <= 1 or self.scheduler.waiting or not isinstance(self.runner, ModelRunner):
+        sch = self.scheduler
+        admissible = (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
+                      and self.slots.num_free > 0)  # a new request would join next step
+        if k <= 1 or admissible or not isinstance(self.runner, ModelRunner):
             return 1
         for item in batch:
             s = item.seq

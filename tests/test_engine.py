@@ -283,3 +283,18 @@ def check_multi_step_decode(device: str, dtype=torch.float32, tiny=None, engine_
 
 def test_multi_step_greedy_decode_equals_single_steps(tiny):
     check_multi_step_decode("cpu", tiny=tiny)
+
+
+def test_multi_step_while_requests_wait_for_a_slot(tiny):
+    """With every slot taken, a waiting request does not stop multi-step decode (it could not
+    join anyway); outputs equal one token per step."""
+    ps = prompts(3, 5)
+    reqs = [(f"w{i}", p, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    ref = run_all(make_engine(tiny, max_num_seqs=1), reqs)
+    engine = make_engine(tiny, max_num_seqs=1, decode_steps=4)
+    calls = []
+    orig = engine.runner.run_decode_steps
+    engine.runner.run_decode_steps = lambda b, k: calls.append(k) or orig(b, k)
+    assert run_all(engine, reqs) == ref
+    assert calls and max(calls) == 4
