@@ -8,7 +8,8 @@ eager decode step (torch.profiler) when --profile-dir is given.
 
 Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
 cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per
-engine step (EngineConfig.decode_steps), e.g. mixed:16@4.
+engine step (EngineConfig.decode_steps), e.g. mixed:16@4; a suffix +PATH picks the batch-1
+mixed-bit GEMV (volundr.kernels.quant.engine.GEMV_PATH, e.g. mixed:16@4+tc).
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -254,11 +255,17 @@ def main() -> None:
     print(json.dumps(res), flush=True)
     cuda = dev.type == "cuda"
     for spec in args.variants.split(","):
-        spec_bits, _, steps = spec.partition("@")
+        spec_main, _, gemv_path = spec.partition("+")
+        spec_bits, _, steps = spec_main.partition("@")
         variant, _, gib = spec_bits.partition(":")
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        import volundr.kernels.quant.engine as qengine
+
+        default_path = getattr(qengine, "GEMV_PATH", None)
+        if gemv_path:
+            qengine.GEMV_PATH = gemv_path  # read at call time: the graphs capture this path
         t = time.perf_counter()
         engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
                        int(steps or 1))
@@ -267,15 +274,16 @@ def main() -> None:
         built = {"build_s": time.perf_counter() - t,
                  "gpu_mem_after_build_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
                  "gpu_mem_peak_build_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
+        prof_path = f"{args.profile_dir}/profile_{re.sub(r'[:+@]', '_', spec)}.txt"
         if args.profile_dir and cuda:
             try:
                 built["profile_bs1"] = profile_step(
-                    engine, f"{args.profile_dir}/profile_{spec.replace(':', '_')}.txt", 1)
+                    engine, prof_path, 1)
                 built["profile_bs16"] = profile_step(
-                    engine, f"{args.profile_dir}/profile_{spec.replace(':', '_')}.txt", 16)
+                    engine, prof_path, 16)
                 if graphs is not None:
                     built["host_bs1"] = profile_host(
-                        engine, f"{args.profile_dir}/profile_{spec.replace(':', '_')}.txt")
+                        engine, prof_path)
             except Exception as e:  # the breakdown is extra: never lose the run to it
                 built["profile_error"] = repr(e)
         modes = (False, True) if graphs is not None else (False,)
@@ -297,6 +305,7 @@ def main() -> None:
             res["runs"].append(entry)
             print(json.dumps(entry), flush=True)
         del engine, graphs
+        qengine.GEMV_PATH = default_path
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, dev.index or 0)

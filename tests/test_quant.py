@@ -127,7 +127,43 @@ def check_engine(n, k, bits, g, device, seed, ms=(1, 5, 40, 200), tol=1e-4) -> N
         assert _rel(quant_matmul(x, qa, qb, sz, bits, g), ref) < tol, (bits, m)
 
 
+def check_tc(n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32, **kw) -> None:
+    """gemv_tc (M = 1, bf16 x) vs naive on the same bf16 x; fp32 out isolates the kernel's own
+    error from the output rounding."""
+    from volundr.kernels.quant.gemv_tc import gemv_tc
+
+    qa, qb, sz = _layer(n, k, bits, g, device, seed)
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, g, k)
+    out = torch.full((1, n), float("nan"), device=device, dtype=out_dtype)
+    err = _rel(gemv_tc(x, qa, qb, sz, bits, g, out=out, **kw), ref)
+    assert err < tol, (n, k, bits, g, kw, err)
+
+
 def run_cpu(group: str) -> None:
+    if group == "gemv_tc":  # the pure-Triton twin of the inline-PTX blocks, same kernel
+        from volundr.kernels.quant import engine
+        from volundr.kernels.quant.gemv_tc import supported
+
+        assert engine.GEMV_PATH == "tc"  # set by test_interpreter
+        x16 = torch.zeros(1, 256, dtype=torch.bfloat16)
+        assert not supported(x16.float(), 4, 128, 64) and not supported(x16, 3, 64, 64)
+        assert not supported(x16, 4, 128, 66) and supported(x16, 2, 64, 64)
+        for bits in (2, 3, 4):
+            check_tc(200, 512, bits, 128, "cpu", _seed(), reps=1, splits=1)  # ragged N
+            check_tc(96, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
+            check_tc(128, 1024, bits, 128, "cpu", _seed(), reps=4)  # EVEN, split-K
+            check_tc(64, 640, bits, 128, "cpu", _seed(), reps=1, num_warps=2)  # 5 groups
+            check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
+                     reps=1, splits=1)
+            if bits != 3:
+                check_tc(64, 256, bits, 64, "cpu", _seed(), reps=2)
+            # engine with VOLUNDR_QUANT_GEMV=tc: bf16 x at M = 1 takes gemv_tc
+            qa, qb, sz = _layer(64, 512, bits, 128, "cpu", _seed())
+            x = torch.randn(1, 512).to(torch.bfloat16)
+            ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 512)
+            assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3
+        return
     for bits in (2, 3, 4):
         if group == "gemv":
             check_matmul(1, 200, 256, bits, 64, "cpu", _seed(), bn=128, splits=3)
@@ -141,12 +177,165 @@ def run_cpu(group: str) -> None:
             check_engine(96, 256, bits, 128, "cpu", _seed())
 
 
-@pytest.mark.parametrize("group", ["gemv", "batch"])
+@pytest.mark.parametrize("group", ["gemv", "batch", "gemv_tc"])
 def test_interpreter(group):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               VOLUNDR_QUANT_GEMV="tc" if group == "gemv_tc" else "fma")
     r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# ---- gemv_tc's inline PTX, emulated (the interpreter runs its pure-Triton twin instead) -------
+def _f32(u: int) -> float:
+    return float(torch.tensor([u & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32)
+                 .view(torch.float32).item())
+
+
+def _f32_bits(v: float) -> int:
+    return int(torch.tensor([v], dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+
+
+def _bf16(h: int) -> float:
+    return _f32((h & 0xFFFF) << 16)
+
+
+def _run_ptx(asm: str, ops: list[list]) -> list[list]:
+    """Run gemv_tc's PTX on a warp in lock step: ops[lane] = operand values ($0.. outputs
+    None). Supports the handful of instructions it uses; mma.m16n8k16 with the PTX fragment
+    layouts (lane = 4 groupID + threadID_in_group). Undefined registers read as NaN."""
+    import re
+
+    regs = [{} for _ in range(32)]
+
+    def val(t, tok):
+        if tok.startswith("$"):
+            return ops[t][int(tok[1:])]
+        if tok.startswith(("0x", "0f")):
+            return int(tok[2:], 16)
+        return regs[t].get(tok, 0x7FC00000)
+
+    def put(t, tok, v):
+        if tok.startswith("$"):
+            ops[t][int(tok[1:])] = v & 0xFFFFFFFF
+        else:
+            regs[t][tok] = v & 0xFFFFFFFF
+
+    for line in asm.splitlines():
+        line = line.split("//")[0].strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op.startswith("mma.sync"):
+            groups = re.findall(r"{([^}]*)}", rest)
+            d, a, b, c = [[x.strip() for x in g.split(",")] for g in groups]
+            A = torch.zeros(16, 16, dtype=torch.float64)
+            B, C = A[:, :8].clone(), A[:, :8].clone()
+            for t in range(32):
+                g, i = t // 4, t % 4
+                for r, (row, col) in enumerate([(g, 2 * i), (g + 8, 2 * i), (g, 2 * i + 8),
+                                                (g + 8, 2 * i + 8)]):
+                    A[row, col], A[row, col + 1] = _bf16(val(t, a[r])), _bf16(val(t, a[r]) >> 16)
+                for r, k0 in enumerate([2 * i, 2 * i + 8]):
+                    B[k0, g], B[k0 + 1, g] = _bf16(val(t, b[r])), _bf16(val(t, b[r]) >> 16)
+                for r, (row, col) in enumerate([(g, 2 * i), (g, 2 * i + 1), (g + 8, 2 * i),
+                                                (g + 8, 2 * i + 1)]):
+                    C[row, col] = _f32(val(t, c[r]))
+            D = A @ B + C
+            for t in range(32):
+                g, i = t // 4, t % 4
+                for r, (row, col) in enumerate([(g, 2 * i), (g, 2 * i + 1), (g + 8, 2 * i),
+                                                (g + 8, 2 * i + 1)]):
+                    put(t, d[r], _f32_bits(D[row, col].item()))
+            continue
+        x = [v.strip() for v in rest.split(",")]
+        for t in range(32):
+            if op == "shr.u32":
+                put(t, x[0], val(t, x[1]) >> int(x[2]))
+            elif op == "shl.b32":
+                put(t, x[0], val(t, x[1]) << int(x[2]))
+            elif op == "lop3.b32":  # LUT index = 4 a + 2 b + c per bit
+                a_, b_, c_, lut = val(t, x[1]), val(t, x[2]), val(t, x[3]), int(x[4], 16)
+                put(t, x[0], sum(((lut >> (4 * (a_ >> k & 1) + 2 * (b_ >> k & 1)
+                                          + (c_ >> k & 1))) & 1) << k for k in range(32)))
+            elif op in ("mov.f32", "mov.b32"):
+                put(t, x[0], val(t, x[1]))
+            elif op == "prmt.b32":
+                src = [(val(t, x[1]) >> 8 * k) & 0xFF for k in range(4)]
+                src += [(val(t, x[2]) >> 8 * k) & 0xFF for k in range(4)]
+                put(t, x[0], sum(src[(int(x[3], 16) >> 4 * k) & 7] << 8 * k for k in range(4)))
+            elif op == "fma.rn.bf16x2":
+                h = [torch.tensor(_bf16(val(t, x[1]) >> 16 * e) * _bf16(val(t, x[2]) >> 16 * e)
+                                  + _bf16(val(t, x[3]) >> 16 * e)).to(torch.bfloat16)
+                     for e in range(2)]
+                put(t, x[0], sum((int(v.view(torch.int16).item()) & 0xFFFF) << 16 * e
+                                 for e, v in enumerate(h)))
+            else:
+                raise NotImplementedError(op)
+    return ops
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gemv_tc_ptx_emulated(bits):
+    """One warp (8 quads, 1 rep), one set of 4 groups, 32 output rows, random words: the PTX of
+    gemv_tc with the lane layout the kernel relies on, including masked x lanes and the mma
+    fragment semantics, against the naive reference (the GPU itself is tested by the cuda
+    tests; this one runs anywhere)."""
+    from volundr.kernels.quant import gemv_tc as T
+    from volundr.kernels.quant.naive import dequantize_kernel_layout
+
+    g_, n_, k_ = 128, 64, 1024
+    pa = 4 if bits == 4 else 2
+    wa, half = g_ * pa // 32, 16 // pa
+    gen = torch.Generator().manual_seed(_seed())
+    qa, qb, sz = _layer(n_, k_, bits, g_, "cpu", 0)
+    qa = torch.randint(-2**31, 2**31 - 1, qa.shape, generator=gen, dtype=torch.int32)
+    qb = torch.randint(-2**31, 2**31 - 1, qb.shape, generator=gen, dtype=torch.int32)
+    x = torch.randn(1, k_, generator=gen).to(torch.bfloat16)
+    xb = (x.view(torch.int16).to(torch.int64) & 0xFFFF)[0].tolist()
+    u32 = lambda v: (v.to(torch.int64) & 0xFFFFFFFF).tolist()  # noqa: E731
+    qa_u, qb_u, sz_u = u32(qa), u32(qb), u32(sz)
+    st, tile = 1, 1  # groups 4..7, rows 32..63
+    kc = T.kernel_consts(bits)
+    d = [[0] * 4 for _ in range(32)]
+    xs = [[0] * 4 for _ in range(32)]
+    for blk in range(wa // 4):
+        xps = []
+        for t in range(32):
+            grp, sel = st * 4 + t % 4, (t // 4) // 2 == t % 4  # masked x lanes load zeros
+            row = []
+            for p in range(half):
+                lo = [xb[grp * g_ + p * wa + blk * 4 + e] if sel else 0 for e in range(4)]
+                hi = [xb[grp * g_ + (p + half) * wa + blk * 4 + e] if sel else 0
+                      for e in range(4)]
+                for e in (0, 2):
+                    ops = [[None, None, lo[e] | lo[e + 1] << 16, hi[e] | hi[e + 1] << 16]] * 32
+                    row += _run_ptx(kc["ASM_PAIRS"][kc["OFFS"][p]], [list(o) for o in ops])[0][:2]
+            xps.append(row)
+        for s in range(4):
+            r = blk * 4 + s
+            step, xsum = [], []
+            for t in range(32):
+                grp, n0 = st * 4 + t % 4, tile * 32 + 4 * (t // 4)
+                words = [qa_u[grp * wa + r][n0 + j] for j in range(4)]
+                if bits == 3:
+                    words += [qb_u[grp * (wa // 2) + r % (wa // 2)][n0 + j] for j in range(4)]
+                step.append([None] * 4 + d[t] + words + xps[t])
+                ka = [kc["XS"][e][kr] for kr in range(4) for e in range(4)]
+                xsum.append([None] * 4 + xs[t] + ka + xps[t])
+            d = [o[:4] for o in _run_ptx(kc["ASM_STEP"][(blk * 4) // (wa // 2) * 4 + s], step)]
+            xs = [o[:4] for o in _run_ptx(kc["ASM_XSUM"][s], xsum)]
+    y = torch.zeros(32, dtype=torch.float64)
+    for t in range(32):
+        grp = st * 4 + t % 4
+        for j in range(4):
+            w = sz_u[grp][tile * 32 + 4 * (t // 4) + j]
+            s_, z_ = _f32(w << 16), _f32(w & 0xFFFF0000)
+            y[4 * (t // 4) + j] += s_ * (_f32(d[t][j]) - (_f32(xs[t][1]) + z_ * _f32(xs[t][0])))
+    w_ = dequantize_kernel_layout(qa, qb, sz, bits, g_, k_).double()
+    ks = slice(st * 4 * g_, (st + 1) * 4 * g_)
+    ref = w_[tile * 32:(tile + 1) * 32, ks] @ x.double()[0, ks]
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
 # ---- QuantLinear and loading ------------------------------------------------------------------
@@ -249,6 +438,60 @@ def test_cuda_engine_matches_naive(n, k, bits):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, k)
         assert _rel(quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3, m
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n,k", SHAPES_32B + [(262144, 5120)])
+def test_cuda_gemv_tc_matches_naive(n, k, bits):
+    """The inline-PTX M = 1 path (kernels/quant/gemv_tc.py): fp32 out (the kernel's own error:
+    exact products, fp32 accumulation) and bf16 out, engine-like configs."""
+    check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=4, num_warps=1, waves=16.0)
+    if n < 100000:  # the lm_head shape once (building the layer dominates)
+        check_tc(n, k, bits, 128, "cuda", _seed(), tol=8e-3, out_dtype=torch.bfloat16, reps=2,
+                 num_warps=2, waves=4.0)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_gemv_tc_configs_and_edges(bits):
+    """Ragged N, partial group sets, G = 64, splits 1 .. many, several warps; repeated calls
+    (the split-K counters must be left at zero) and CUDA-graph replay."""
+    cases = [(200, 640, dict(reps=1, splits=1)), (5120, 5120, dict(reps=2, splits=10)),
+             (1000, 1152, dict(reps=4, num_warps=2)), (4096, 5120, dict(reps=1, num_warps=4))]
+    for n, k, kw in cases:
+        for _ in range(2):
+            check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, **kw)
+    if bits != 3:
+        check_tc(512, 1024, bits, 64, "cuda", _seed(), tol=1e-3, reps=2)
+    from volundr.kernels.quant.gemv_tc import gemv_tc
+
+    qa, qb, sz = _layer(5120, 5120, bits, 128, "cuda", _seed())
+    x = torch.randn(1, 5120, device="cuda", dtype=torch.bfloat16)
+    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
+    out = torch.empty(1, 5120, device="cuda", dtype=torch.bfloat16)
+    gemv_tc(x, qa, qb, sz, bits, 128, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_tc(x, qa, qb, sz, bits, 128, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    graph.replay()
+    assert _rel(out, ref) < 8e-3
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_engine_tc_path(bits, monkeypatch):
+    from volundr.kernels.quant import engine
+
+    monkeypatch.setattr(engine, "GEMV_PATH", "tc")
+    qa, qb, sz = _layer(17408, 5120, bits, 128, "cuda", _seed())
+    for m in (1, 4):
+        x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
+        ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
+        assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3, m
 
 
 @gpu

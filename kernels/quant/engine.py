@@ -14,13 +14,23 @@ Strategy by the number of rows M of x, from the H200 sweep of perf/kernels/bench
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from volundr.kernels.quant import gemv_tc
 from volundr.kernels.quant.gemm import dequant_matmul
 from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 
 # M = 1: (bn, num_warps, waves, prefetch) per bit width; rows per thread = bn / (128 num_warps)
 GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, False)}
+# M = 1 alternative (opt-in, not yet measured): VOLUNDR_QUANT_GEMV=tc selects gemv_tc.py (bf16x2
+# dequantisation + tensor-core mma, ~1 instruction per weight instead of ~3.5) wherever it
+# applies (bf16 x, see gemv_tc.supported); read once at import
+GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "fma")
+if GEMV_PATH not in ("fma", "tc"):
+    raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma or tc, not {GEMV_PATH!r}")
+GEMV_TC_CONFIG = {b: dict(reps=4, num_warps=1, waves=16.0) for b in (2, 3, 4)}
 BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 FUSED_MAX_M = 128
@@ -32,6 +42,8 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    if m == 1 and GEMV_PATH == "tc" and gemv_tc.supported(x, bits, group_size, qa.shape[1]):
+        return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, **GEMV_TC_CONFIG[bits])
     if m == 1:
         bn, nw, waves, prefetch = GEMV_CONFIG[bits]
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=1, bn=bn,

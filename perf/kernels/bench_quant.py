@@ -1,6 +1,11 @@
 """Mixed-bit GEMV/GEMM on the GPU: bandwidth at Volundr-32B shapes vs the HBM copy and cuBLAS.
 
     python perf/kernels/bench_quant.py --out $OUT        (H200: about 3 minutes)
+    python perf/kernels/bench_quant.py --m1-compare --out $OUT/gemv_compare.json
+        M = 1 only: the FMA GEMV (gemv.py, engine config) vs the tensor-core GEMV (gemv_tc.py,
+        a few configs) at the 4 shapes x 2/3/4 bits; each variant checked against the naive
+        reference before it is timed (a wrong one is reported, never timed). CPU dry run of
+        the same script at tiny shapes: TRITON_INTERPRET=1 ... --m1-compare --smoke
 
 Per (shape, bits, M) it times every kernel config of a small sweep, checks each config's
 output against the naive fp32 reference, and reports the best: time, bytes moved (packed
@@ -26,6 +31,7 @@ import triton
 
 from volundr.kernels.quant.gemm import dequant_matmul
 from volundr.kernels.quant.gemv import quant_matmul_triton
+from volundr.kernels.quant.gemv_tc import gemv_tc
 from volundr.kernels.quant.naive import naive_quant_matmul
 
 SHAPES = [(5120, 5120), (17408, 5120), (5120, 17408), (262144, 5120)]  # (out N, in K)
@@ -37,16 +43,16 @@ PREFILL_MS = [64, 256, 1024]
 STREAM_BYTES = 1 << 29  # rotate weight copies until this many bytes: > 8x the H200's L2
 
 
-def random_layer(n, k, bits, g=128, seed=0):
+def random_layer(n, k, bits, g=128, seed=0, device="cuda"):
     """Random packed planes and plausible bf16 scales/zeros (timing does not depend on values)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     pa = 4 if bits == 4 else 2
-    qa = torch.randint(-2**31, 2**31 - 1, (k * pa // 32, n), generator=gen, device="cuda",
+    qa = torch.randint(-2**31, 2**31 - 1, (k * pa // 32, n), generator=gen, device=device,
                        dtype=torch.int32)
     qb = torch.randint(-2**31, 2**31 - 1, (k // 32 if bits == 3 else 0, n), generator=gen,
-                       device="cuda", dtype=torch.int32)
-    s = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.02 + 0.005).to(torch.bfloat16)
-    z = (torch.rand(n, k // g, generator=gen, device="cuda") * (2**bits - 1)).to(torch.bfloat16)
+                       device=device, dtype=torch.int32)
+    s = (torch.rand(n, k // g, generator=gen, device=device) * 0.02 + 0.005).to(torch.bfloat16)
+    z = (torch.rand(n, k // g, generator=gen, device=device) * (2**bits - 1)).to(torch.bfloat16)
     from volundr.kernels.quant.pack import pack_scale_zero
 
     return qa, qb, pack_scale_zero(s, z)
@@ -56,7 +62,7 @@ def layer_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in layer)
 
 
-def time_graph(fn, copies: int) -> float:
+def time_graph(fn, copies: int, rep: int = 80) -> float:
     """Microseconds per call of fn(c) for c in 0..copies-1, captured as one CUDA graph."""
     for c in range(copies):
         fn(c)
@@ -65,7 +71,7 @@ def time_graph(fn, copies: int) -> float:
     with torch.cuda.graph(g):
         for c in range(copies):
             fn(c)
-    ms = triton.testing.do_bench(g.replay, warmup=10, rep=80, return_mode="median")
+    ms = triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median")
     return ms * 1e3 / copies
 
 
@@ -199,13 +205,114 @@ def plot(data: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# --m1-compare: the engine's FMA config per bit width vs tensor-core configs (reps, warps,
+# waves): BN = 128 rows per 1-warp program, split-K to ~8 or ~16 programs per SM, and BN = 64
+# (twice the programs; waves 24: one set of 4 groups per program at K = 5120)
+TC_CFGS = [(4, 1, 8.0), (4, 1, 16.0), (2, 1, 24.0)]
+SMOKE_SHAPES = [(256, 512), (96, 640)]
+
+
+def cpu_time(fn) -> float:
+    """--smoke stand-in for time_graph (one interpreted call; exercises the reporting code)."""
+    t = time.perf_counter()
+    fn(0)
+    return (time.perf_counter() - t) * 1e6
+
+
+def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
+    """M = 1 only: old (FMA) vs new (tensor-core) GEMV at SHAPES x bits 2/3/4, one JSON. Each
+    variant is checked against the naive reference first; a wrong one is recorded, not timed.
+    smoke: tiny shapes, no timing (CPU interpreter dry run of this code path)."""
+    from volundr.kernels.quant.engine import GEMV_CONFIG
+
+    dev = "cpu" if smoke else "cuda"
+    t0 = time.time()
+    data = {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "copy_gbs": float("nan") if smoke else copy_bandwidth(), "rows": []}
+    rows = data["rows"]
+    for n, k in (SMOKE_SHAPES if smoke else SHAPES):
+        for bits in (2, 3, 4):
+            nbytes = layer_bytes(random_layer(n, k, bits, device=dev))
+            copies = 1 if smoke else max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
+            layers = [random_layer(n, k, bits, seed=c, device=dev) for c in range(copies)]
+            x = torch.randn(1, k, device=dev).to(torch.bfloat16)
+            ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
+            bn, nw, waves, pf = GEMV_CONFIG[bits]
+            variants = [("fma", dict(bn=bn, num_warps=nw, waves=waves, prefetch=pf))]
+            variants += [("tc", dict(reps=r, num_warps=w, waves=wv)) for r, w, wv in tc_cfgs]
+            for name, kw in variants:
+                rec = {"n": n, "k": k, "bits": bits, "variant": name, **kw, "bytes": nbytes,
+                       "copies": copies}
+                y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+
+                def fn(c, name=name, kw=kw, y=y, x=x, layers=layers, bits=bits):
+                    if name == "fma":
+                        quant_matmul_triton(x, *layers[c], bits, 128, out=y, block_m=1, **kw)
+                    else:
+                        gemv_tc(x, *layers[c], bits, 128, out=y, **kw)
+                try:
+                    y.fill_(float("nan"))
+                    t1 = time.time()
+                    fn(0)  # compiles on first use
+                    if not smoke:
+                        torch.cuda.synchronize()
+                    rec["first_call_s"] = time.time() - t1
+                    rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                    if not rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
+                        rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
+                    else:
+                        rec["us"] = cpu_time(fn) if smoke else time_graph(fn, copies, rep=40)
+                        rec["gbs"] = nbytes / (rec["us"] * 1e-6) / 1e9
+                        rec["frac_copy"] = rec["gbs"] / data["copy_gbs"]
+                except Exception as e:  # record, go on with the other variants
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(rec)
+                cfg = " ".join(f"{a}={b}" for a, b in kw.items())
+                res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}% copy" if "us" in rec
+                       else rec.get("error", "ok (not timed)"))
+                print(f"{n:6d}x{k:<6d} {bits}b {name:3s} {cfg:40s} err "
+                      f"{rec.get('rel_err', float('nan')):.1e}  {res}", flush=True)
+    print("summary (best tc vs fma, us):")
+    for n, k in (SMOKE_SHAPES if smoke else SHAPES):
+        for bits in (2, 3, 4):
+            sel = [r for r in rows if (r["n"], r["k"], r["bits"]) == (n, k, bits) and "us" in r]
+            old = [r["us"] for r in sel if r["variant"] == "fma"]
+            new = [r["us"] for r in sel if r["variant"] == "tc"]
+            if old and new:
+                print(f"  {n}x{k} {bits}b: fma {old[0]:.2f}  tc {min(new):.2f}  "
+                      f"({old[0] / min(new):.2f}x)")
+    data["seconds"] = time.time() - t0
+    path = out if out.endswith(".json") else os.path.join(out, "gemv_compare.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    bad = [r for r in rows if "error" in r]
+    print(f"done in {data['seconds']:.0f} s, {len(bad)} variant(s) failed -> {path}")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true", help="two configs per case, no prefill")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."),
+                    help="folder (or, with --m1-compare, a .json path)")
+    ap.add_argument("--m1-compare", action="store_true",
+                    help="only M = 1: FMA GEMV vs tensor-core GEMV (gemv_tc.py)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="with --m1-compare: tiny shapes on the CPU, no timing "
+                         "(run under TRITON_INTERPRET=1)")
+    ap.add_argument("--quick", action="store_true",
+                    help="two configs per case, no prefill (--m1-compare: one tc config)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     args = ap.parse_args(argv)
+    if args.m1_compare:
+        if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+            print("--smoke runs on the CPU: set TRITON_INTERPRET=1", file=sys.stderr)
+            return 1
+        if not args.smoke and not torch.cuda.is_available():
+            print("needs CUDA (or --smoke)", file=sys.stderr)
+            return 1
+        return m1_compare(args.out, args.smoke, TC_CFGS[:1] if args.quick else TC_CFGS)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1

@@ -1,0 +1,474 @@
+"""M = 1 (decode) mixed-bit GEMV on the tensor cores: two weights per dequantising instruction.
+
+y [1, N] = x [1, K] @ W^T for the kernel layout of pack.py, bf16 x only (`supported`). Same
+result as the FMA path of gemv.py (which is issue-bound at M = 1, ~3.3-4.4 SASS instructions
+per weight, see perf/RESULTS.md) with ~0.95 (2-bit), 1.25 (3-bit), 1.2 (4-bit):
+
+* Dequantise pairs. One LOP3 turns two codes of a word (slots i and i + S/2 of its S slots sit
+  at the same bit offset of the low and the high 16 bits) into a bf16x2 pair
+      ((w >> sh) & (m | m << 16)) | 0x43004300  =  (128 + q_lo 2^o, 128 + q_hi 2^o)   (exact)
+  with the code at mantissa offset o <= 7 - b. One shift serves the slots of a window: per
+  32-bit word 4-bit takes 3 shifts + 4 LOP3 (8 weights), 2-bit 2 + 8 (16 weights); 3-bit first
+  merges the high-bit plane into the low bits with one select LOP3 per 8 weights (~14.5
+  instructions per 16 weights: per step one A word and its B word).
+* Multiply-add on the tensor cores: mma.m16n8k16 bf16 x bf16 -> fp32 (exact products, fp32
+  accumulation: the precision of the FMA path). x' = x 2^-o (exact) so each product is
+  128 x' + q x; the per-group sums B = sum 128 x' and X = sum x come from one more mma per
+  step with a constant A, and a group adds s (F - B - z X), F = the mma sum.
+* Fragments. Lane = 4 quad + c holds 4 words j (one 128-bit load, output rows 4 quad + j) of
+  group 4 set + c: a warp covers 32 rows (per rep) and 4 groups at once. mma tile t of a quad
+  takes words 2t, 2t + 1 as A rows g, g + 8 (g = quad % 8) and two pairs of each as its k
+  columns; B column col holds x' only for the k of group col // 2 (lane (g, c) supplies x' iff
+  g // 2 == c, else zeros: its x loads are masked). So D[row, 2c] is exactly lane c's own
+  sum: per lane the mma is an elementwise "acc += sum of its pairs times x'", and each lane
+  ends with its own (row, group) sums, not replicated ones.
+
+Triton has no mma on register fragments, so dequantisation + mma of a step is inline PTX
+(`tl.inline_asm_elementwise`, pack = 4: one lane's 4 words per call). Tensors are shaped
+[4, Q, L, 4] = (c, quad, rep, j) (x pairs [4, Q, 1, 4], element = one of 4 A rows of a block):
+with contiguity only along j, Triton 3.6's blocked layout orders the dims (3, 0, 1, 2), which
+puts j in registers, c on lane bits 0-1 and quads on lane bits 2-4 and on warps, i.e. the
+fragment layout above (tests/test_quant.py checks it on CUDA). Under TRITON_INTERPRET=1 (no
+PTX) the same kernel runs a pure-Triton twin of each asm block (`USE_ASM=False`, the x loads
+unmasked) computing the same per-lane sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from volundr.kernels.quant.gemv import _workspace, split_k
+
+MAGIC = 0x43004300  # bf16x2 (128, 128): a code OR-ed into the mantissa reads 128 + q 2^o
+NEG0 = 0x80008000  # bf16x2 (-0, -0): fma(a, b, -0) = a * b exactly, sign of 0 kept
+
+
+# ---- pair tables: which slots share a LOP3 and where they land ---------------------------------
+def pair_plan(bits: int) -> list[tuple[int, int, int, int]]:
+    """The bf16x2 pairs of one word, in mma order: (slot i of the low half (the high half holds
+    slot i + S/2), right shift of the source word, mask of one half, offset o = code position
+    in the bf16 mantissa). 3-bit: the sources are the merged words of even (i % 2 == 0) and odd
+    slots, slot i at bit 4 (i // 2) of its merged word (see `_step_ref`)."""
+    if bits == 4:  # slot i at 4i: each moved to offset 0 (a bf16 mantissa holds 7 bits)
+        return [(i, 4 * i, 0xF, 0) for i in range(4)]
+    if bits == 2:  # slot i at 2i: one shift per window of 3 slots, at offsets 0, 2, 4
+        return [(i, 6 * (i // 3), 0x3 << (2 * (i % 3)), 2 * (i % 3)) for i in range(8)]
+    e = [i // 2 for i in range(8)]
+    return [(i, 8 * (e[i] // 2), 0x7 << (4 * (e[i] % 2)), 4 * (e[i] % 2)) for i in range(8)]
+
+
+def _plan_consts(bits: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """pair_plan as the kernel's constexpr tables: shifts, 32-bit masks, offsets."""
+    plan = pair_plan(bits)
+    return (tuple(p[1] for p in plan), tuple(p[2] | p[2] << 16 for p in plan),
+            tuple(p[3] for p in plan))
+
+
+# ---- inline PTX ------------------------------------------------------------------------------
+def _bf16x2(v: float) -> int:
+    """Bit pattern of the bf16x2 (v, v)."""
+    b = int(torch.tensor(v, dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+    return b | b << 16
+
+
+def _mma(d: list[str], a: list[str], b: list[str], c: list[str]) -> str:
+    return (f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{', '.join(d)}}}, "
+            f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{', '.join(c)}}};")
+
+
+def asm_pairs(off: int) -> str:
+    """Pair builder, pack = 2: x of slot i at two block rows ($2, bf16x2) and of slot i + S/2
+    ($3) -> the (slot i, slot i + S/2) bf16x2 pairs of the two rows ($0, $1), times 2^-off
+    (exact: a power of two)."""
+    lines = ["prmt.b32 $0, $2, $3, 0x5410;", "prmt.b32 $1, $2, $3, 0x7632;"]
+    if not off:
+        return "\n".join(lines)
+    return "\n".join(["{", ".reg .b32 sc, nz;", f"mov.b32 sc, {_bf16x2(2.0 ** -off):#010x};",
+                      f"mov.b32 nz, {NEG0:#010x};", *lines, "fma.rn.bf16x2 $0, $0, sc, nz;",
+                      "fma.rn.bf16x2 $1, $1, sc, nz;", "}"])
+
+
+def _dequant_ptx(bits: int, srcs: list[str], pre: str, lines: list[str], regs: list[str]):
+    """PTX for the pairs of `pair_plan` of one word (3-bit: srcs = A word, its B word moved
+    for the even-slot merge, for the odd-slot merge). Returns the pair register names."""
+    if bits == 3:
+        a, b_even, b_odd = srcs
+        # merged words: select (LUT 0xE4 = a & c | b & ~c) of the low bits of a and the high
+        # bit of b, 3-bit codes of even (odd) slots at 4e, 16 + 4e
+        lines += [f"lop3.b32 {pre}e, {a}, {b_even}, 0x33333333, 0xE4;",
+                  f"shr.u32 {pre}a, {a}, 2;",
+                  f"lop3.b32 {pre}o, {pre}a, {b_odd}, 0x33333333, 0xE4;",
+                  f"shr.u32 {pre}e8, {pre}e, 8;", f"shr.u32 {pre}o8, {pre}o, 8;"]
+        regs += [f"{pre}{t}" for t in ("e", "a", "o", "e8", "o8")]
+        src = {(i, sh): f"{pre}{'o' if i % 2 else 'e'}{'8' if sh else ''}"
+               for i, sh, _, _ in pair_plan(3)}
+    else:
+        (w,) = srcs
+        shifts = sorted({sh for _, sh, _, _ in pair_plan(bits) if sh})
+        lines += [f"shr.u32 {pre}s{sh}, {w}, {sh};" for sh in shifts]
+        regs += [f"{pre}s{sh}" for sh in shifts]
+        src = {(i, sh): f"{pre}s{sh}" if sh else w for i, sh, _, _ in pair_plan(bits)}
+    names = []
+    for i, sh, m, _ in pair_plan(bits):
+        # (src & mask) | MAGIC in one LOP3 (LUT 0xEA = a & b | c)
+        lines.append(f"lop3.b32 {pre}p{i}, {src[(i, sh)]}, {m | m << 16:#010x}, {MAGIC:#010x}, "
+                     f"0xEA;")
+        names.append(f"{pre}p{i}")
+    regs += names
+    return names
+
+
+def n_pair_tensors(bits: int) -> int:
+    """x pair tensors per block of 4 A rows: one per pair of a word."""
+    return {2: 8, 3: 8, 4: 4}[bits]
+
+
+def asm_step(bits: int, s: int, h: int = 0) -> str:
+    """One step (block row s) for one lane's 4 words, pack = 4. Operands: $0..$3 out = D of
+    words j = 0..3 (output rows 4 quad + j, the lane's group); $4..$7 in = C; then the words
+    ($8..$11; 3-bit: then their B words $12..$15, h = 0 for an A row of the first half of the
+    group, 1 for the second); then the x pair tensors (n_pair_tensors), 4 operands each
+    (elements = block rows), of which element s is used. Words 0, 1 are A rows g, g + 8 of the
+    first mma tile, words 2, 3 of the second."""
+    lines, regs, fregs = ["{"], [], []
+    base = 16 if bits == 3 else 12
+    pairs = []
+    for j in range(4):
+        if bits == 3:
+            # high bit of slot i at 2i + 1 of b for a first-half A row, at 2i for the second;
+            # the even-slot merge wants it at 2i + 2, the odd-slot merge (a >> 2) at 2i
+            b = f"${12 + j}"
+            if h == 0:
+                lines += [f"shl.b32 b{j}e, {b}, 1;", f"shr.u32 b{j}o, {b}, 1;"]
+                regs += [f"b{j}e", f"b{j}o"]
+                srcs = [f"${8 + j}", f"b{j}e", f"b{j}o"]
+            else:
+                lines += [f"shl.b32 b{j}e, {b}, 2;"]
+                regs += [f"b{j}e"]
+                srcs = [f"${8 + j}", f"b{j}e", b]
+            pairs.append(_dequant_ptx(3, srcs, f"u{j}", lines, regs))
+        else:
+            pairs.append(_dequant_ptx(bits, [f"${8 + j}"], f"u{j}", lines, regs))
+    for t in range(2):
+        pa, pb = pairs[2 * t], pairs[2 * t + 1]
+        d = [f"d{t}{i}" for i in range(4)]
+        fregs += d
+        # columns 2c + 1 duplicate 2c: their C is left undefined (k<t>), which spares ptxas
+        # two register copies per mma tile
+        c = [f"${4 + 2 * t}", f"k{t}1", f"${5 + 2 * t}", f"k{t}3"]
+        fregs += [f"k{t}1", f"k{t}3"]
+        for m in range(len(pa) // 2):
+            a = [pa[2 * m], pb[2 * m], pa[2 * m + 1], pb[2 * m + 1]]
+            b = [f"${base + 4 * (2 * m) + s}", f"${base + 4 * (2 * m + 1) + s}"]
+            lines.append(_mma(d, a, b, c if m == 0 else d))
+        lines += [f"mov.f32 ${2 * t}, {d[0]};", f"mov.f32 ${2 * t + 1}, {d[2]};"]
+    lines.insert(1, f".reg .b32 {', '.join(regs)};")
+    lines.insert(2, f".reg .f32 {', '.join(fregs)};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def asm_xsum(bits: int, s: int) -> str:
+    """Group sums for block row s, pack = 4: $0 = X + sum x, $1 = B + sum 128 x' (X, B = $4,
+    $5; $2, $3 = 0) from the x pair tensors ($24 + 4 p + s) with a constant A: rows g hold
+    2^o (x' 2^o = x), rows g + 8 hold 128. A comes in as operands ($8 + 4 r, r = register of
+    the fragment, one (offsets of pairs 2m, 2m + 1) per mma: `xsum_consts`) so that ptxas keeps
+    it in registers across the loop."""
+    n_mma = n_pair_tensors(bits) // 2
+    lines = ["{", ".reg .f32 d0, d1, d2, d3, k1, k3;"]
+    d = ["d0", "d1", "d2", "d3"]
+    for m in range(n_mma):
+        a = [f"${8 + 4 * r + _xsum_slot(bits, m)}" for r in range(4)]
+        b = [f"${24 + 4 * (2 * m) + s}", f"${24 + 4 * (2 * m + 1) + s}"]
+        lines.append(_mma(d, a, b, ["$4", "k1", "$5", "k3"] if m == 0 else d))
+    lines += ["mov.f32 $0, d0;", "mov.f32 $1, d2;", "mov.f32 $2, 0f00000000;",
+              "mov.f32 $3, 0f00000000;", "}"]
+    return "\n".join(lines)
+
+
+def _xsum_slot(bits: int, m: int) -> int:
+    """Which element (of 4) of the constant A operands holds mma m's fragment."""
+    offs = [p[3] for p in pair_plan(bits)]
+    kinds = sorted({(offs[2 * i], offs[2 * i + 1]) for i in range(len(offs) // 2)})
+    return kinds.index((offs[2 * m], offs[2 * m + 1]))
+
+
+def xsum_consts(bits: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Constant A registers (a0, a1, a2, a3) of the X/B mma: element e of the 4 operand
+    tensors = the fragment for the e-th distinct (offset, offset) pair of pairs (<= 4)."""
+    offs = [p[3] for p in pair_plan(bits)]
+    kinds = sorted({(offs[2 * i], offs[2 * i + 1]) for i in range(len(offs) // 2)})
+    assert len(kinds) <= 4
+    kinds += [kinds[0]] * (4 - len(kinds))
+    return tuple((_bf16x2(2.0 ** o0), MAGIC, _bf16x2(2.0 ** o1), MAGIC) for o0, o1 in kinds)
+
+
+# ---- pure-Triton versions of the asm blocks (TRITON_INTERPRET=1) -------------------------------
+@triton.jit
+def _lo(p):
+    """bf16 of the low half of an int32 pair as fp32."""
+    return (p << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hi(p):
+    return (p & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pairs_ref(xlo, xhi, OFF: tl.constexpr):
+    sc: tl.constexpr = 1.0 / (1 << OFF)
+    lo = (xlo.to(tl.float32) * sc).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    hi = (xhi.to(tl.float32) * sc).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (lo & 0xFFFF) | (hi << 16)
+
+
+@triton.jit
+def _row(xp, s, j4):
+    """Element s (block row) of a pair tensor [4, Q, 1, 4] -> [4, Q, 1, 1]."""
+    return tl.sum(tl.where(j4 == s, xp, 0), axis=3, keep_dims=True)
+
+
+@triton.jit
+def _dot_pairs_ref(d, ws, xps, x0: tl.constexpr, s, j4, SH: tl.constexpr, MSK: tl.constexpr,
+                   NP: tl.constexpr):
+    """d + sum over the NP pairs of word ws (pair_plan order) times x pair tensors xps[x0 + p]."""
+    for p in tl.static_range(NP):
+        if SH[p] > 0:
+            src = ws[p] >> SH[p]
+        else:
+            src = ws[p]
+        pr = (src & MSK[p]) | 0x43004300
+        xr = _row(xps[x0 + p], s, j4)
+        d += _lo(pr) * _lo(xr) + _hi(pr) * _hi(xr)
+    return d
+
+
+@triton.jit
+def _step_ref(d, words, xps, s, j4, BITS: tl.constexpr, SH: tl.constexpr, MSK: tl.constexpr,
+              NP: tl.constexpr, H: tl.constexpr):
+    """What asm_step computes, elementwise per lane."""
+    if BITS == 3:
+        a = words[0]
+        b = words[1]
+        m = 0x33333333
+        # merged words as in _dequant_ptx: even / odd slots, high bit of slot i at 2i + 1 of b
+        # for a first-half A row (H = 0), at 2i for the second
+        if H == 0:
+            e = (a & m) | ((b << 1) & ~m)
+            o = ((a >> 2) & m) | ((b >> 1) & ~m)
+        else:
+            e = (a & m) | ((b << 2) & ~m)
+            o = ((a >> 2) & m) | (b & ~m)
+        d = _dot_pairs_ref(d, (e, o, e, o, e, o, e, o), xps, 0, s, j4, SH, MSK, NP)
+    else:
+        w = words[0]
+        ws = (w, w, w, w, w, w, w, w)
+        d = _dot_pairs_ref(d, ws, xps, 0, s, j4, SH, MSK, NP)
+    return d
+
+
+@triton.jit
+def _xsum_ref(xsum, bsum, xps, s, j4, OFFS: tl.constexpr, NPT: tl.constexpr, NP: tl.constexpr):
+    for p in tl.static_range(NPT):
+        xr = _row(xps[p], s, j4)
+        xv = _lo(xr) + _hi(xr)
+        xsum += xv * (1 << OFFS[p % NP])
+        bsum += xv * 128.0
+    return xsum, bsum
+
+
+@triton.jit
+def _ld(ptr, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0)
+    return tl.load(ptr)
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+@triton.jit
+def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
+                   N, num_groups, sets_per_split, num_splits,
+                   BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, L: tl.constexpr,
+                   Q: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   SH: tl.constexpr, MSK: tl.constexpr, OFFS: tl.constexpr,
+                   ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr, ASM_PAIRS: tl.constexpr,
+                   CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
+                   ASM_KEEP: tl.constexpr, EVEN: tl.constexpr):
+    """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
+    Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows."""
+    BN: tl.constexpr = 4 * L * Q
+    S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
+    NP: tl.constexpr = S // 2  # pairs per A word
+    NPT: tl.constexpr = NP  # x pair tensors per block
+    NBLK: tl.constexpr = WA // 4  # blocks of 4 A rows
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # dims (c, quad, rep, j): with contiguity only along j, Triton orders the layout's dims
+    # (3, 0, 1, 2), so lane = 4 quad + c as the mma fragments need (see the module docstring)
+    c4 = tl.arange(0, 4)[:, None, None, None]
+    q4 = tl.arange(0, Q)[None, :, None, None]
+    l4 = tl.arange(0, L)[None, None, :, None]
+    j4 = tl.arange(0, 4)[None, None, None, :]
+    n = pid_n * BN + 4 * (Q * l4 + q4) + j4  # [1, Q, L, 4]: 4 adjacent rows per lane
+    nmask = n < N
+    # mma B operand: lane (quad g, c) supplies column g, which must hold only group c's x
+    sel = ((q4 % 8) // 2) == c4  # [4, Q, 1, 1]
+    acc = tl.zeros([4, Q, L, 4], dtype=tl.float32)
+    ka = ()
+    if USE_ASM:
+        # constant A of the X/B mma (xsum_consts), made opaque so that it is materialised once
+        for kr in tl.static_range(4):
+            v = tl.where(j4 == 0, XS[0][kr], tl.where(j4 == 1, XS[1][kr],
+                                                      tl.where(j4 == 2, XS[2][kr], XS[3][kr])))
+            v = v + tl.zeros([4, Q, 1, 4], dtype=tl.int32)
+            ka = ka + (tl.inline_asm_elementwise(ASM_KEEP[kr], "=r,r", [v], dtype=tl.int32,
+                                                 is_pure=True, pack=1),)
+    set0 = pid_k * sets_per_split
+    set1 = tl.minimum(set0 + sets_per_split, (num_groups + 3) // 4)
+    for st in range(set0, set1):
+        grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
+        if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
+            ok = c4 >= 0
+            wmask = nmask
+        else:
+            ok = grp < num_groups
+            wmask = nmask & ok
+        if USE_ASM:
+            xmask = ok & sel
+        else:
+            xmask = ok & (q4 >= 0)
+        d = tl.zeros([4, Q, L, 4], dtype=tl.float32)
+        xb = tl.zeros([4, Q, 1, 4], dtype=tl.float32)
+        xsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
+        bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
+        xg = x_ptr + grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
+        for blk in tl.static_range(NBLK):
+            # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
+            xps = ()
+            for p in tl.static_range(NP):
+                xlo = _ld(xg + p * WA + blk * 4, xmask, USE_ASM or not EVEN)
+                xhi = _ld(xg + (p + NP) * WA + blk * 4, xmask, USE_ASM or not EVEN)
+                if USE_ASM:
+                    pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
+                                                   dtype=tl.int32, is_pure=True, pack=2)
+                else:
+                    pr = _pairs_ref(xlo, xhi, OFFS[p])
+                xps = xps + (pr,)
+            # 3-bit: A row r of the group's first (H = 0) or second half, B row r mod WA / 2;
+            # H = (blk * 4) // (WA // 2) (spelt out: a constexpr assigned in this runtime loop
+            # would turn into a tensor)
+            for s in tl.static_range(4):
+                r = blk * 4 + s
+                w0 = _ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN)
+                if BITS == 3:
+                    b = _ld(qb_ptr + (grp * (WA // 2) + r % (WA // 2)) * N + n, wmask,
+                            not EVEN)
+                    words = (w0, b)
+                else:
+                    words = (w0,)
+                if USE_ASM:
+                    d = tl.inline_asm_elementwise(ASM_STEP[(blk * 4) // (WA // 2) * 4 + s],
+                                                  CONS_STEP, (d,) + words + xps,
+                                                  dtype=tl.float32, is_pure=True, pack=4)
+                    xb = tl.inline_asm_elementwise(ASM_XSUM[s], CONS_XSUM, (xb,) + ka + xps,
+                                                   dtype=tl.float32, is_pure=True, pack=4)
+                else:
+                    d = _step_ref(d, words, xps, s, j4, BITS, SH, MSK, NP,
+                                  (blk * 4) // (WA // 2))
+                    xsum, bsum = _xsum_ref(xsum, bsum, xps, s, j4, OFFS, NPT, NP)
+        if USE_ASM:
+            xsum = tl.sum(tl.where(j4 == 0, xb, 0.0), axis=3, keep_dims=True)
+            bsum = tl.sum(tl.where(j4 == 1, xb, 0.0), axis=3, keep_dims=True)
+        # loaded after the steps in program order: ptxas hoists it as far as registers allow
+        szw = _ld(sz_ptr + grp * N + n, wmask, not EVEN)
+        sc = (szw << 16).to(tl.float32, bitcast=True)
+        zr = (szw & -65536).to(tl.float32, bitcast=True)
+        # d = B + sum q x over the lane's group; masked groups: s = 0
+        acc += sc * (d - (bsum + zr * xsum))
+    y = tl.sum(acc, axis=0)  # [Q, L, 4]: the 4 groups of a set (lanes c)
+    n3 = pid_n * BN + 4 * (Q * tl.arange(0, L)[None, :, None] + tl.arange(0, Q)[:, None, None]) \
+        + tl.arange(0, 4)[None, None, :]
+    ymask = n3 < N
+    if SPLIT_K:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * N + n3, y, mask=ymask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == num_splits - 1:  # the last split of this tile sums all partials
+            tot = tl.zeros([Q, L, 4], dtype=tl.float32)
+            for k in range(0, num_splits):
+                tot += tl.load(ws_ptr + k * N + n3, mask=ymask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty), mask=ymask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@functools.cache
+def kernel_consts(bits: int) -> dict:
+    """Constexpr tables and PTX of the kernel for a bit width."""
+    sh, msk, offs = _plan_consts(bits)
+    npt = n_pair_tensors(bits)
+    n_in = 4 * (2 if bits == 3 else 1) + 4 * npt
+    return dict(SH=sh, MSK=msk, OFFS=offs,
+                ASM_STEP=tuple(asm_step(bits, s, h) for h in range(2) for s in range(4)),
+                ASM_XSUM=tuple(asm_xsum(bits, s) for s in range(4)),
+                ASM_PAIRS=tuple(asm_pairs(o) for o in range(8)),
+                CONS_STEP="=f,=f,=f,=f,f,f,f,f," + ",".join(["r"] * n_in),
+                CONS_XSUM="=f,=f,=f,=f,f,f,f,f," + ",".join(["r"] * (16 + 4 * npt)),
+                XS=xsum_consts(bits),
+                ASM_KEEP=tuple(f"mov.b32 $0, $1; // a{r}" for r in range(4)))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
+    """Whether gemv_tc handles this call: M = 1, bf16 x, blocks of 4 A rows (G >= 32 at 4-bit,
+    64 at 2-bit, 128 at 3-bit) and N a multiple of 4 (128-bit word loads)."""
+    pa = 4 if bits == 4 else 2
+    wa = group_size * pa // 32
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and n % 4 == 0
+            and wa % (8 if bits == 3 else 4) == 0)
+
+
+def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
+            group_size: int, out: torch.Tensor | None = None, reps: int = 4,
+            num_warps: int = 1, waves: float = 8.0, splits: int | None = None) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
+
+    reps: 32-row slabs per warp (BN = 32 reps num_warps rows per program); split-K over sets
+    of 4 groups to about `waves` programs per SM (or `splits`)."""
+    m, k = x.shape
+    n = qa.shape[1]
+    assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
+    pa = 4 if bits == 4 else 2
+    wa = group_size * pa // 32
+    num_groups = k // group_size
+    n_sets = triton.cdiv(num_groups, 4)
+    q = 8 * num_warps
+    bn = 4 * reps * q
+    n_tiles = triton.cdiv(n, bn)
+    if splits is None:
+        sps, ns = split_k(n_tiles, n_sets, x.device, waves)
+    else:
+        sps = triton.cdiv(n_sets, splits)
+        ns = triton.cdiv(n_sets, sps)
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if ns > 1:
+        ws, cnt = _workspace(x.device, n_tiles, ns * n)
+    else:
+        ws, cnt = out, out
+    gemv_tc_kernel[(n_tiles, ns)](
+        x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns,
+        BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
+        USE_ASM=not _interpreting(), EVEN=n % bn == 0 and num_groups % 4 == 0,
+        **kernel_consts(bits), num_warps=num_warps)
+    return out
