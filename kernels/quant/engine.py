@@ -24,13 +24,15 @@ from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 
 # M = 1: (bn, num_warps, waves, prefetch) per bit width; rows per thread = bn / (128 num_warps)
 GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, False)}
-# M = 1 alternative (opt-in, not yet measured): VOLUNDR_QUANT_GEMV=tc selects gemv_tc.py (bf16x2
-# dequantisation + tensor-core mma, ~1 instruction per weight instead of ~3.5) wherever it
-# applies (bf16 x, see gemv_tc.supported); read once at import
+# M = 1 on the tensor cores (gemv_tc.py: bf16x2 dequantisation + mma, ~1 SASS instruction per
+# weight instead of ~3.5), VOLUNDR_QUANT_GEMV=tc, read once at import. H200 sweep
+# (perf/RESULTS.md): reps=2, waves=24 is the best config at every measured shape and bit width,
+# 1.17-1.56x the FMA path; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path (unmeasured).
 GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "fma")
 if GEMV_PATH not in ("fma", "tc"):
     raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma or tc, not {GEMV_PATH!r}")
-GEMV_TC_CONFIG = {b: dict(reps=4, num_warps=1, waves=16.0) for b in (2, 3, 4)}
+GEMV_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=24.0) for b in (2, 3, 4)}
+TC_MIN_DIM = 4096
 BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 FUSED_MAX_M = 128
@@ -42,7 +44,9 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    if m == 1 and GEMV_PATH == "tc" and gemv_tc.supported(x, bits, group_size, qa.shape[1]):
+    n = qa.shape[1]
+    if (m == 1 and GEMV_PATH == "tc" and min(x.shape[1], n) >= TC_MIN_DIM
+            and gemv_tc.supported(x, bits, group_size, n)):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, **GEMV_TC_CONFIG[bits])
     if m == 1:
         bn, nw, waves, prefetch = GEMV_CONFIG[bits]
