@@ -23,7 +23,9 @@ class Profile:
     max_inflight: int  # ensemble backpressure, where the server supports it
     note: str
     tensor_parallel_size: int = 1  # GPUs cuda:0..N-1 of one machine (--tp)
-    decode_steps: int = 1  # greedy tokens per engine step when only decodes run
+    # greedy tokens per engine step when only decodes run: on the H200 4 gave 100 vs 97 tok/s
+    # single stream and 772 vs 751 with 16 streams (perf/RESULTS.md, run 5)
+    decode_steps: int = 1
 
 
 PROFILES: dict[str, Profile] = {
@@ -32,11 +34,12 @@ PROFILES: dict[str, Profile] = {
         Profile("cpu", "cpu", None, 8, 256, 2048, 16, 64,
                 "tests, CI and the tiny checkpoint on any machine"),
         Profile("16gb", "cuda", 16.0, 1, 2048, 262144, 64, 8,
-                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)"),
+                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)", decode_steps=4),
         Profile("24gb", "cuda", 23.0, 4, 4096, 262144, 64, 32,
-                "24 GB GPUs: server, 4 concurrent (RTX 3090/4090, L4, A10)"),
+                "24 GB GPUs: server, 4 concurrent (RTX 3090/4090, L4, A10)", decode_steps=4),
         Profile("48gb", "cuda", 46.0, 16, 8192, 262144, 128, 256,
-                "48 GB and larger: server, 16 concurrent (L40S, A6000, A100, H100, H200)"),
+                "48 GB and larger: server, 16 concurrent (L40S, A6000, A100, H100, H200)",
+                decode_steps=4),
     )
 }
 

@@ -1,0 +1,74 @@
+"""Plots of the recorded H200 runs (perf/results/): end-to-end decode per run and the batch-1
+GEMV comparison (FMA path vs tensor-core path). Needs matplotlib (not a project dependency).
+
+    python perf/plot_results.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).parent
+RUNS = {"run 1": "decode_run1.json", "run 3": "decode_run3.json", "run 4": "decode_run4.json",
+        "run 5": "decode_run5.json"}
+
+
+def plot_decode(out: Path) -> None:
+    labels, single, batch16, limit = [], [], [], None
+    for run, name in RUNS.items():
+        for r in json.loads((HERE / "results" / name).read_text())["runs"]:
+            if not r["cuda_graphs"] or not r["variant"].startswith("mixed"):
+                continue
+            labels.append(f"{run}\n{r['variant']}")
+            single.append(r["single"]["tok_per_s"])
+            batch16.append(r["batch16"]["tok_per_s"] / 16)
+            limit = r["byte_limit_tok_per_s"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], single, 0.4, label="1 stream, tok/s")
+    ax.bar([i + 0.2 for i in x], batch16, 0.4, label="16 streams, tok/s per stream")
+    ax.axhline(300, color="g", ls="--", label="goal 300 tok/s")
+    ax.axhline(limit, color="r", ls=":", label=f"byte limit {limit:.0f} tok/s")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("tok/s")
+    ax.set_title("Volundr-32B mixed ~3.2-bit greedy decode, H200, CUDA graphs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def plot_gemv(out: Path) -> None:
+    d = json.loads((HERE / "results" / "gemv_compare_h200.json").read_text())
+    best: dict[tuple, dict[str, float]] = {}
+    for r in d["rows"]:
+        if r.get("us") is None:
+            continue
+        key = (f"{r['n']}x{r['k']}", r["bits"])
+        cur = best.setdefault(key, {})
+        cur[r["variant"]] = min(cur.get(r["variant"], 1e9), r["us"])
+        cur["bytes"] = r["bytes"]
+    keys = sorted(best, key=lambda k: (k[0], k[1]))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = range(len(keys))
+    bw = d["copy_gbs"] * 1e9
+    for off, v in ((-0.2, "fma"), (0.2, "tc")):
+        ax.bar([i + off for i in x], [100 * best[k]["bytes"] / (best[k][v] * 1e-6) / bw
+                                      for k in keys], 0.4, label=v)
+    ax.axhline(80, color="g", ls="--", label="goal 80%")
+    ax.set_xticks(list(x), [f"{s}\n{b}-bit" for s, b in keys], fontsize=7)
+    ax.set_ylabel("% of HBM copy bandwidth")
+    ax.set_title("Batch-1 mixed-bit GEMV (weights + scales + zeros), H200: FMA vs tensor cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    plot_decode(HERE / "decode_h200.png")
+    plot_gemv(HERE / "gemv_tc_h200.png")
