@@ -44,12 +44,14 @@ class CollectingSink:
 PROMPT = "Hello there, how are you?"
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_dir):
+@pytest.fixture(scope="module", params=[1, 4], ids=["decode_steps1", "decode_steps4"])
+def llm(tiny_dir, request):
+    """decode_steps 4: greedy decodes come out of the engine 4 tokens at a time (the GPU
+    profiles' setting); streaming, stop strings, cancel and abort must not notice."""
     from volundr.llm import LLM
 
     return LLM(tiny_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=128,
-               max_model_len=512)
+               max_model_len=512, decode_steps=request.param)
 
 
 @pytest.fixture(scope="module")
