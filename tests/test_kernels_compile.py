@@ -1,0 +1,145 @@
+"""Every Triton kernel the engine launches compiles for the H200 (sm_90), on a machine without a
+GPU: the kernels' own wrappers run on CPU tensors under a stand-in driver that reports an sm_90
+target, and each launch compiles (warm-up) instead of running.
+
+Why: TRITON_INTERPRET=1 (the CPU correctness tests) accepts code the compiler refuses (e.g. a
+module global that is not a constexpr), and device time is scarce: a kernel that does not
+compile should fail here, not in a GPU session. Outputs are never looked at; this checks
+compilation only (a subprocess, so the stand-in driver never reaches other tests).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+SMS = 132  # the H200's SM count, for the wrappers that size grids from it
+
+
+def _install_fake_driver() -> list[str]:
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver, jit
+
+    class Sm90Driver:
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device=None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+    driver.set_active(Sm90Driver())
+    compiled: list[str] = []
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(self.__name__)
+        return kernel
+
+    jit.JITFunction.run = compile_only
+    return compiled
+
+
+def compile_all() -> list[str]:
+    compiled = _install_fake_driver()
+    import volundr.kernels.attention.decode as decode
+    import volundr.kernels.quant.gemv as gemv
+    from volundr.kernels.attention import engine as attn
+    from volundr.kernels.engram.lookup import embedding_lookup, engram_lookup
+    from volundr.kernels.kda import engine as kda
+    from volundr.kernels.norm.engine import rms_norm, rms_norm_gated, swiglu
+    from volundr.kernels.quant import engine as quant
+    from volundr.kernels.quant.fit import minmax_quant
+    from volundr.kernels.quant.pack import pack_scale_zero, to_kernel_layout
+
+    decode._num_sms = gemv._num_sms = lambda *_: SMS
+    bf = torch.bfloat16
+
+    # norms and SwiGLU
+    x = torch.randn(4, 5120, dtype=bf)
+    rms_norm(x, x[0], 1e-6)
+    rms_norm(x, x[0], 1e-6, x)
+    h = torch.randn(4, 40, 128, dtype=bf)
+    rms_norm_gated(h, h[0, 0], h, 1e-6)
+    swiglu(x, x)
+
+    # lookups from host tables
+    ids = torch.randint(0, 100, (4, 3))
+    embedding_lookup(ids, torch.randn(100, 5120, dtype=bf), torch.empty(4, 5120, dtype=bf))
+    z8 = torch.zeros(8, dtype=torch.long)
+    engram_lookup(ids, torch.randn(800, 256, dtype=bf), z8, z8 + 100,
+                  torch.full((8,), 2, dtype=torch.int32), z8 + 1,
+                  torch.empty(4, 8 * 256, dtype=bf))
+
+    # paged attention: store, decode (1 token each), prefill (varlen)
+    kc = torch.zeros(64, 16, 2, 128, dtype=bf)
+    vc = torch.zeros_like(kc)
+    # (on CPU tensors the wrapper assumes 4 SMs: one sequence is what makes the decode split)
+    for lens in ([1], [5, 40]):
+        n, t = len(lens), sum(lens)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+        q = torch.randn(t, 40, 128, dtype=bf)
+        kv = torch.randn(t, 2, 128, dtype=bf)
+        attn.store_kv(kv, kv, kc, vc, torch.arange(t))
+        tables = torch.arange(n * 4, dtype=torch.int32).view(n, 4)
+        ctx = torch.tensor([60] * n, dtype=torch.int32)
+        # a long max context: the decode splits over the KV length (split + merge kernels)
+        attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
+
+    # KDA: conv, recurrent (decode and short varlen), chunked prefill; raw gates in the kernels
+    H, K = 40, 128
+    state = torch.zeros(6, H, K, K)
+    for lens in ([1, 1, 1], [3, 2], [100, 70]):
+        n, t = len(lens), sum(lens)
+        cu_list = [0] + torch.tensor(lens).cumsum(0).tolist()
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        slots = torch.arange(n)
+        qkv = torch.randn(t, 3 * H * K, dtype=bf)
+        qkv = kda.causal_conv(qkv, torch.randn(3 * H * K, 4, dtype=bf),
+                              torch.zeros(6, 3 * H * K, 3, dtype=bf), slots, cu, "silu")
+        q, k, v = qkv.view(t, 3, H, K).unbind(1)
+        g, beta = torch.randn(t, H, K, dtype=bf), torch.randn(t, H, dtype=bf)
+        kda.kda_mixer(q, k, v, g, beta, state, slots, cu, cu_list, K ** -0.5,
+                      A_log=torch.zeros(H, dtype=bf), dt_bias=torch.zeros(H * K, dtype=bf))
+
+    # mixed-bit matmuls: every path of the dispatch at every width, tensor-core GEMV included
+    for bits in (2, 3, 4):
+        w = torch.randn(256, 1024) / 32
+        qw, s, zr = minmax_quant(w, bits, 128)
+        qa, qb = to_kernel_layout(qw, bits, 128)
+        sz = pack_scale_zero(s, zr)
+        for m in (1, 16, 64, 256):
+            quant.quant_matmul(torch.randn(m, 1024, dtype=bf), qa, qb, sz, bits, 128)
+        paths = (quant.GEMV_PATH, getattr(quant, "TC_MIN_DIM", None))
+        quant.GEMV_PATH, quant.TC_MIN_DIM = "tc", 0
+        quant.quant_matmul(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128)
+        quant.GEMV_PATH, quant.TC_MIN_DIM = paths
+    return compiled
+
+
+def test_kernels_compile_for_sm90():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    names = set(r.stdout.split())
+    expected = {"_rms_norm_kernel", "_rms_norm_gated_kernel", "_swiglu_kernel", "_lookup_kernel",
+                "_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+                "_prefill_kernel", "_fused_recurrent_kda_kernel", "_conv_seq_kernel",
+                "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel", "quant_matmul_kernel",
+                "dequant_kernel", "gemv_tc_kernel"}
+    assert expected <= names, f"not compiled: {expected - names}"
+
+
+if __name__ == "__main__":
+    print(" ".join(sorted(set(compile_all()))))
