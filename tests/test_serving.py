@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import re
 import subprocess
 import sys
@@ -18,41 +17,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tokenizers import Tokenizer
+from triton_helpers import grpc_stream, texts
 
 from volundr.clients.triton import VolundrTriton, make_input
 from volundr.serve.triton_env import perf_analyzer_env
 
 pytestmark = pytest.mark.server
 PROMPT = "The smith Volundr forged"
-
-
-def grpc_stream(url: str, model: str, inputs: list, cancel_after: int | None = None,
-                request_id: str = "") -> list:
-    """tritonclient's callback streaming API; returns the results (raises on an error)."""
-    q: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    client.async_stream_infer(model, inputs, request_id=request_id)
-    results = []
-    try:
-        while True:
-            result, error = q.get(timeout=60)
-            if error is not None:
-                raise error
-            results.append(result)
-            params = result.get_response().parameters
-            if params["triton_final_response"].bool_param:
-                break
-            if cancel_after is not None and len(results) >= cancel_after:
-                break
-    finally:
-        client.stop_stream(cancel_requests=cancel_after is not None)
-        client.close()
-    return results
-
-
-def texts(results) -> list[str]:
-    return [r.as_numpy("text_output").reshape(-1)[0].decode() for r in results]
 
 
 def engine_stats(url: str) -> dict:

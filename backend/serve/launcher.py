@@ -27,6 +27,7 @@ from volundr.serve.triton_env import SetupError
 
 REQUIRED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "tritonclient": "tritonclient[all]",
             "torch": "torch", "tokenizers": "tokenizers", "jinja2": "jinja2"}
+PROXY_ONLY = ("fastapi", "uvicorn")
 
 
 def default_cache_dir() -> Path:
@@ -39,8 +40,9 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "volundr"
 
 
-def check_dependencies() -> None:
-    missing = [pkg for mod, pkg in REQUIRED.items() if importlib.util.find_spec(mod) is None]
+def check_dependencies(proxy: bool = True) -> None:
+    missing = [pkg for mod, pkg in REQUIRED.items()
+               if (proxy or mod not in PROXY_ONLY) and importlib.util.find_spec(mod) is None]
     if missing:
         raise SetupError(f"missing Python packages: {', '.join(missing)} "
                          "(run `make setup`, or pip install -e '.[serve]')")
@@ -129,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--proxy-port", type=int, default=30000)
+    ap.add_argument("--no-proxy", action="store_true",
+                    help="serve Triton only (HTTP/gRPC), without the OpenAI proxy")
     ap.add_argument("--served-model-name", default="volundr",
                     help="the model name the OpenAI API answers to")
     ap.add_argument("--cache-dir", type=Path, default=None)
@@ -158,7 +162,8 @@ def build_options(args: argparse.Namespace):
                         http_port=args.http_port, grpc_port=args.grpc_port,
                         metrics_port=args.metrics_port, proxy_port=args.proxy_port,
                         served_model_name=args.served_model_name,
-                        startup_timeout_s=args.startup_timeout, log_dir=args.log_dir)
+                        startup_timeout_s=args.startup_timeout, log_dir=args.log_dir,
+                        proxy=not args.no_proxy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)  # also when started with SIGINT ignored (nohup, &)
     stack = None
     try:
-        check_dependencies()
+        check_dependencies(proxy=not args.no_proxy)
         from volundr.serve.stack import ServingStack
 
         opts = build_options(args)
@@ -183,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{p.max_num_seqs} sequences, context {p.max_model_len}); starting tritonserver...",
               flush=True)
         stack.start()
+        openai = (f"  OpenAI API     {stack.proxy_url}/v1   (model \"{opts.served_model_name}\")\n"
+                  if opts.proxy else "")
         print(f"""volundr-serve: ready
-  OpenAI API     {stack.proxy_url}/v1   (model "{opts.served_model_name}")
-  Triton HTTP    {stack.http_url}    (ensemble "volundr"; also preprocessing, volundr_llm, \
+{openai}  Triton HTTP    {stack.http_url}    (ensemble "volundr"; also preprocessing, volundr_llm, \
 postprocessing)
   Triton gRPC    {stack.grpc_url}
   metrics        {stack.metrics_url}

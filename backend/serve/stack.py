@@ -39,6 +39,7 @@ class StackOptions:
     served_model_name: str = "volundr"
     startup_timeout_s: float = 600.0
     log_dir: Path | None = None  # default: the run directory
+    proxy: bool = True  # also start the OpenAI proxy
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -102,10 +103,11 @@ class ServingStack:
     # ---- start -----------------------------------------------------------------------------
     def check_ports(self) -> None:
         o = self.opts
-        for what, port, flag in (("HTTP", o.http_port, "--http-port"),
-                                 ("gRPC", o.grpc_port, "--grpc-port"),
-                                 ("metrics", o.metrics_port, "--metrics-port"),
-                                 ("proxy", o.proxy_port, "--proxy-port")):
+        ports = [("HTTP", o.http_port, "--http-port"), ("gRPC", o.grpc_port, "--grpc-port"),
+                 ("metrics", o.metrics_port, "--metrics-port")]
+        if o.proxy:
+            ports.append(("proxy", o.proxy_port, "--proxy-port"))
+        for what, port, flag in ports:
             if port_in_use(o.host, port):
                 raise SetupError(f"port {port} ({what}) is already in use on {o.host}; "
                                  f"stop what holds it or pick another with {flag}")
@@ -154,7 +156,8 @@ class ServingStack:
         try:
             self._wait(self.triton, f"{self.http_url}/v2/health/ready", "tritonserver",
                        self.triton_log)
-            self._start_proxy()
+            if o.proxy:
+                self._start_proxy()
         except BaseException:
             self.stop()
             raise
