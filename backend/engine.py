@@ -29,8 +29,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture the decode step on CUDA
     tensor_parallel_size: int = 1  # ranks (devices), one process each: volundr.distributed
     gpu_gib: float | None = None  # hard cap on each rank's CUDA allocator (the memory plan's)
-    # Greedy decode-only steps run up to this many tokens per engine step, the next input fed
-    # on the device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once.
+    # Decode-only steps run up to this many tokens per engine step, the next input fed on the
+    # device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once.
     decode_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -132,9 +132,9 @@ class LLMEngine:
         return self._postprocess(batch, tokens)
 
     def _decode_steps(self, batch: list[ScheduledSeq]) -> int:
-        """How many greedy tokens this step may produce per sequence (1 unless the batch is all
-        greedy decodes, no waiting request could be admitted now, every sequence has room for
-        them and the KV blocks for the extra positions are free; those blocks are then taken)."""
+        """How many tokens this step may produce per sequence (1 unless the batch is all
+        decodes, no waiting request could be admitted now, every sequence has room for them and
+        the KV blocks for the extra positions are free; those blocks are then taken)."""
         k = self.ecfg.decode_steps
         sch = self.scheduler
         admissible = (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
@@ -143,7 +143,7 @@ class LLMEngine:
             return 1
         for item in batch:
             s = item.seq
-            if item.num_new_tokens != 1 or not item.samples or not s.params.greedy:
+            if item.num_new_tokens != 1 or not item.samples:
                 return 1
             k = min(k, s.params.max_tokens - s.num_output_tokens,
                     self.ecfg.max_model_len - s.num_tokens)

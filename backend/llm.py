@@ -54,7 +54,7 @@ class LLM:
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
         `if __name__ == "__main__":` (the workers are spawned).
-        decode_steps K > 1: greedy decode-only steps produce up to K tokens per engine step
+        decode_steps K > 1: decode-only steps produce up to K tokens per engine step
         (EngineConfig.decode_steps)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 

@@ -154,11 +154,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: list[ScheduledSeq], steps: int) -> list[list[int]]:
-        """`steps` greedy decode steps of a batch of decoding sequences (one token each, KV
-        blocks already grown for every position): step j's input token is step j - 1's argmax,
+        """`steps` decode steps of a batch of decoding sequences (one token each, KV blocks
+        already grown for every position): step j's input token is step j - 1's sampled token,
         fed on the device (the n-gram window shifts, positions advance), so the host enqueues
         all steps (graph replays when captured) and syncs once. Returns token ids
-        [steps][len(batch)]."""
+        [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine."""
         b = self.prepare(batch)
         n, bs = len(batch), self.block_size
         seqs = [item.seq for item in batch]
@@ -178,7 +178,7 @@ class ModelRunner:
                 logits = self.graphs.run(b)
             else:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
-            toks[j] = logits.argmax(dim=1)  # the Sampler's greedy choice
+            toks[j] = self.sampler.sample(logits, seqs)
         return toks.tolist()
 
     @torch.inference_mode()

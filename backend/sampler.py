@@ -41,9 +41,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [M, V] fp32, one row per sequence -> one token id each."""
+        return self.sample(logits, seqs).tolist()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """As __call__, but the ids stay on the device ([M] long): multi-step decode feeds
+        them to the next step without a host round trip. Each seeded sequence draws one row
+        of noise per call from its own generator, so its tokens do not depend on how the
+        steps were grouped."""
         greedy = logits.argmax(dim=1)
         if all(s.params.greedy for s in seqs):
-            return greedy.tolist()
+            return greedy
         dev = logits.device
         p = [s.params for s in seqs]
         temp = torch.tensor([x.temperature if x.temperature > 0 else 1.0 for x in p], device=dev)
@@ -66,4 +73,4 @@ class Sampler:
                 generator=self.generator)
         sampled = (probs / noise).argmax(dim=1)
         is_greedy = torch.tensor([x.greedy for x in p], device=dev)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        return torch.where(is_greedy, greedy, sampled)

@@ -232,22 +232,26 @@ def test_precomputed_input_embeddings_at_given_positions(tiny):
 
 
 def _multi_step_requests(reference: dict[str, list[int]] | None, ps):
-    """Greedy requests of odd lengths; with the one-token-per-step outputs known, request 1 gets
-    a stop token from the middle of its output (it must stop there, inside a multi-step)."""
+    """Requests of odd lengths, greedy and seeded sampling; with the one-token-per-step outputs
+    known, request 1 gets a stop token from the middle of its output (it must stop there,
+    inside a multi-step)."""
     reqs = []
     for i, p in enumerate(ps):
         stop = []
         if reference is not None and i == 1:
             stop = [reference["r1"][5]]
-        params = SamplingParams(max_tokens=[5, 13, 9, 11][i % 4], temperature=0.0,
-                                ignore_eos=True, stop_token_ids=stop)
+        sampled = dict(temperature=0.9, top_p=0.95, seed=100 + i) if i in (2, 4) else \
+            dict(temperature=0.0)
+        params = SamplingParams(max_tokens=[5, 13, 9, 11][i % 4], ignore_eos=True,
+                                stop_token_ids=stop, **sampled)
         reqs.append((f"r{i}", p, params))
     return reqs
 
 
 def check_multi_step_decode(device: str, dtype=torch.float32, tiny=None, engine_kw=None):
-    """decode_steps = 4 gives the ids of one token per step, incl. a stop token inside a run,
-    odd max_tokens, the context limit and staggered arrivals; every block and slot is freed."""
+    """decode_steps = 4 gives the ids of one token per step (greedy and seeded sampling), incl.
+    a stop token inside a run, odd max_tokens, the context limit and staggered arrivals; every
+    block and slot is freed."""
     ps = prompts(6, 11)
     kw = dict(device=device, dtype=dtype, **(engine_kw or {}))
     arrivals = [0, 0, 0, 2, 9, 9]

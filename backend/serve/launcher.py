@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, help="context length, overrides the profile's")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallel over GPUs cuda:0..N-1 of this machine (2 or 4)")
-    ap.add_argument("--decode-steps", type=int, help="greedy tokens per engine step when only "
+    ap.add_argument("--decode-steps", type=int, help="tokens per engine step when only "
                     "decodes run (fewer host round trips), overrides the profile's")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)

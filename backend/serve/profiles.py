@@ -23,7 +23,7 @@ class Profile:
     max_inflight: int  # ensemble backpressure, where the server supports it
     note: str
     tensor_parallel_size: int = 1  # GPUs cuda:0..N-1 of one machine (--tp)
-    # greedy tokens per engine step when only decodes run: on the H200 4 gave 100 vs 97 tok/s
+    # tokens per engine step when only decodes run: on the H200 4 gave 100 vs 97 tok/s greedy
     # single stream and 772 vs 751 with 16 streams (perf/RESULTS.md, run 5)
     decode_steps: int = 1
 
