@@ -90,6 +90,7 @@ class VolundrForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)  # vocab-parallel
         self.mtp = MTPBlock(cfg, tp) if cfg.mtp.num_layers else None
         self.embed_tokens: torch.Tensor | None = None  # [vocab, hidden] on the host
+        self._lookups_on_gpu = False
 
     # ---- weights ------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], device: torch.device,
@@ -106,6 +107,7 @@ class VolundrForCausalLM(nn.Module):
             return t.pin_memory() if pin else t
 
         self.embed_tokens = host(sd.pop("model.embed_tokens.weight"))
+        self._lookups_on_gpu = pin
         for i in self.cfg.engram.layers:
             eng = self.model.layers[i].engram
             tables = [sd.pop(f"model.layers.{i}.engram.tables.{j}")
@@ -130,8 +132,9 @@ class VolundrForCausalLM(nn.Module):
     @property
     def lookups_on_gpu(self) -> bool:
         """The host tables are pinned: the GPU reads them in place, so the runner hands the
-        lookups ids on the GPU (and the decode graph captures them)."""
-        return self.embed_tokens is not None and self.embed_tokens.is_pinned()
+        lookups ids on the GPU (and the decode graph captures them). Set by load_weights (an
+        is_pinned() query per step costs a CUDA driver call)."""
+        return self._lookups_on_gpu
 
     def embed(self, ids: torch.Tensor, device: torch.device, dtype: torch.dtype):
         """Token embeddings, ids [T] -> [T, d] on `device`."""
