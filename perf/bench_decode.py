@@ -69,6 +69,24 @@ def device_weight_bytes(engine: LLMEngine) -> int:
     return size(m) - (size(m.mtp) if m.mtp is not None else 0)
 
 
+def time_to_first_token(engine: LLMEngine, prompt_len: int) -> dict:
+    """One request of `prompt_len` random tokens alone: seconds until its first token (chunked
+    prefill, engine steps of max_num_batched_tokens) and the prefill rate."""
+    g = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(16, engine.cfg.vocab_size, (prompt_len,), generator=g).tolist()
+    engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), f"ttft{prompt_len}")
+    sync()
+    t = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    sync()
+    dt = time.perf_counter() - t
+    return {"prompt_len": prompt_len, "ttft_s": dt, "prefill_tok_per_s": prompt_len / dt,
+            "steps": steps}
+
+
 def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> dict:
     """tok/s over the decode steps only (prefill excluded), `batch` requests at once."""
     p = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -213,7 +231,8 @@ def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
 
 
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
-          device: str, gpu_gib: float | None = None, decode_steps: int = 1) -> LLMEngine:
+          device: str, gpu_gib: float | None = None, decode_steps: int = 1,
+          max_model_len: int = 4096) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
     (a hard cap on the allocator from the engine's construction on)."""
@@ -227,10 +246,12 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
                                          if quantizable(shapes[m][1], q.group_size)})
         cfg = cfg.replace(quantization=q)
         sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib else None)
+    # KV pool: 4K tokens per sequence, at least one whole max_model_len sequence
+    blocks = max(max_num_seqs * 4096, max_model_len) // 16
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=2048, max_model_len=4096, block_size=16,
-                        num_kv_blocks=max_num_seqs * 4096 // 16, cuda_graphs=graphs,
-                        gpu_gib=gpu_gib, decode_steps=decode_steps)
+                        max_num_batched_tokens=2048, max_model_len=max_model_len, block_size=16,
+                        num_kv_blocks=blocks, cuda_graphs=graphs, gpu_gib=gpu_gib,
+                        decode_steps=decode_steps)
     return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
 
 
@@ -245,6 +266,12 @@ def main() -> None:
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--profile-dir", help="write a kernel breakdown of an eager step here")
     ap.add_argument("--no-eager", action="store_true", help="with graphs, skip the eager rows")
+    ap.add_argument("--prefill-lens", default="",
+                    help="comma-separated prompt lengths (< --max-model-len): time to first "
+                    "token of each, alone")
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="context of the engine (the decode graphs' attention splits are sized "
+                    "for it: compare decode numbers at equal values)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
@@ -268,7 +295,7 @@ def main() -> None:
             qengine.GEMV_PATH = gemv_path  # read at call time: the graphs capture this path
         t = time.perf_counter()
         engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
-                       int(steps or 1))
+                       int(steps or 1), args.max_model_len)
         wbytes = device_weight_bytes(engine)
         graphs = engine.runner.graphs
         built = {"build_s": time.perf_counter() - t,
@@ -300,6 +327,9 @@ def main() -> None:
             if use_graphs:
                 entry["single"]["graph_ms"] = graph_ms(engine, 1)
                 entry["batch16"]["graph_ms"] = graph_ms(engine, 16)
+            if use_graphs or graphs is None:  # prefill never runs in a graph: once per variant
+                entry["prefill"] = [time_to_first_token(engine, int(n))
+                                    for n in args.prefill_lens.split(",") if n]
             if cuda:
                 entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
             res["runs"].append(entry)

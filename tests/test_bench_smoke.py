@@ -14,12 +14,14 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
     script = Path(__file__).parents[1] / "perf" / "bench_decode.py"
     r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu",
                         "--out", str(out), "--variants", "mixed@2,bf16", "--tokens", "8",
-                        "--copy-gib", "0.05"], capture_output=True, text=True, timeout=300)
+                        "--copy-gib", "0.05", "--prefill-lens", "40"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert [run["variant"] for run in res["runs"]] == ["mixed@2", "bf16"]
     for run in res["runs"]:
         assert run["single"]["decode_tokens"] == 7 and run["batch16"]["decode_tokens"] == 16 * 3
         assert run["gpu_weight_GB"] > 0
+        assert run["prefill"][0]["prompt_len"] == 40 and run["prefill"][0]["ttft_s"] > 0
     mixed, bf16 = res["runs"]
     assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
