@@ -95,10 +95,16 @@ def compile_all() -> list[str]:
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
 
-    # KDA: conv, recurrent (decode and short varlen), chunked prefill; raw gates in the kernels
+    # KDA: conv, recurrent (decode and short varlen), chunked prefill (both chunk-local stages,
+    # the opt-in one split in two launches too); raw gates in the kernels
+    from volundr.kernels.kda import chunk
+
     H, K = 40, 128
     state = torch.zeros(6, H, K, K)
-    for lens in ([1, 1, 1], [3, 2], [100, 70]):
+    modes = [("fused", False), ("sub", False), ("sub", True)]
+    for lens, (mode, split) in zip(([1, 1, 1], [3, 2], [100, 70], [100, 70], [100, 70]),
+                                   [modes[0]] * 3 + modes[1:]):
+        chunk.CONFIG["intra"], chunk.CONFIG["sub_split"] = mode, split
         n, t = len(lens), sum(lens)
         cu_list = [0] + torch.tensor(lens).cumsum(0).tolist()
         cu = torch.tensor(cu_list, dtype=torch.int32)
@@ -136,7 +142,8 @@ def test_kernels_compile_for_sm90():
     expected = {"_rms_norm_kernel", "_rms_norm_gated_kernel", "_swiglu_kernel", "_lookup_kernel",
                 "_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
                 "_prefill_kernel", "_fused_recurrent_kda_kernel", "_conv_seq_kernel",
-                "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel", "quant_matmul_kernel",
+                "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
+                "_chunk_kda_intra_sub_kernel", "quant_matmul_kernel",
                 "dequant_kernel", "gemv_tc_kernel"}
     assert expected <= names, f"not compiled: {expected - names}"
 

@@ -93,6 +93,59 @@ def check_chunk(lens, H, K, V, dtype, tol, BT, fused_gate, decay=1.0, device="cp
     assert max(errs) < tol, f"chunk {lens} BT={BT} {dtype}: {errs}"
 
 
+class _Capture:
+    """Stands in for chunk._chunk_kda_fwd_kernel: records what stage 1 handed to it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append([a.clone() for a in args[:6]])  # w, u, qg, kg, Aqk, gl
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def run_intra_modes(x, BT, fused_gate, sub_cfg=None):
+    """chunk_kda once per stage-1 mode; per mode (o, pool, chunk states, stage-1 outputs).
+    sub_cfg: chunk.CONFIG entries for the sub run (launch variants)."""
+    from volundr.kernels.kda import chunk
+    gate = dict(g=x["g_raw"], beta=x["b_raw"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True) if fused_gate else \
+        dict(g=x["g"], beta=x["beta"])
+    saved, kernel = dict(chunk.CONFIG), chunk._chunk_kda_fwd_kernel
+    out = {}
+    try:
+        for mode in chunk.INTRA_MODES:
+            chunk.CONFIG.update(saved, intra=mode, **((sub_cfg or {}) if mode == "sub" else {}))
+            chunk._chunk_kda_fwd_kernel = cap = _Capture(kernel)
+            pool = x["pool"].clone()
+            o, _, hc = chunk.chunk_kda(x["q"], x["k"], x["v"], initial_state=pool,
+                                       cu_seqlens=x["cu"], ssm_state_indices=x["idx"],
+                                       use_qk_l2norm_in_kernel=True, return_chunk_states=True,
+                                       chunk_size=BT, **gate)
+            out[mode] = (o, pool, hc, cap.seen[0])
+    finally:
+        chunk.CONFIG.update(saved)
+        chunk._chunk_kda_fwd_kernel = kernel
+    return out
+
+
+def check_chunk_sub(lens, H, K, V, dtype, tol, BT, fused_gate, decay=1.0, device="cpu",
+                    stage_tol=None, sub_cfg=None):
+    """The sub-chunk stage 1 (VOLUNDR_KDA_INTRA=sub) == the naive reference, and its outputs
+    (w, u, qg, kg, Aqk, 2^G_last) == those of the default stage 1."""
+    x = make(lens, H, K, V, dtype, device, decay=decay, slots=len(lens) + 2)
+    o_ref, s_ref, b_ref = reference(x, chunk_size=BT)
+    out = run_intra_modes(x, BT, fused_gate, sub_cfg)
+    o, pool, hc, stage = out["sub"]
+    errs = [rel(o, o_ref), rel(pool[x["idx"]], s_ref), rel(hc, b_ref)]
+    assert max(errs) < tol, f"sub chunk {lens} BT={BT} {dtype}: {errs}"
+    names = ("w", "u", "qg", "kg", "Aqk", "gl")
+    stage_errs = {n: rel(a, b) for n, a, b in zip(names, stage, out["fused"][3])}
+    assert max(stage_errs.values()) < (stage_tol or tol), f"sub vs fused stage 1: {stage_errs}"
+
+
 def check_conv(lens, C, W, with_state, device="cpu", dtype=torch.float32):
     from volundr.kernels.kda import causal_conv1d
     x = torch.randn(sum(lens), C, dtype=dtype, device=device)
@@ -154,6 +207,17 @@ INTERPRETER_CASES = {
     "chunk64_varlen_gate_fp32": lambda: check_chunk([5, 70, 33], 2, 32, 64, f32, 1e-4, 64, True),
     "chunk32_fp16": lambda: check_chunk([100], 1, 64, 32, f16, 5e-3, 32, False),
     "chunk16_huge_decay_fp32": lambda: check_chunk([1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
+    "sub_chunk64_varlen_gate_fp32":
+        lambda: check_chunk_sub([5, 70, 33], 2, 32, 64, f32, 1e-4, 64, True),
+    "sub_chunk64_fp16": lambda: check_chunk_sub([150], 1, 64, 32, f16, 5e-3, 64, False),
+    "sub_chunk32_fp16": lambda: check_chunk_sub([100], 1, 64, 32, f16, 5e-3, 32, False),
+    "sub_chunk16_huge_decay_fp32":
+        lambda: check_chunk_sub([1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
+    "sub_chunk64_huge_decay_varlen_fp32":
+        lambda: check_chunk_sub([130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0),
+    "sub_split_chunk64_varlen_fp32":  # phases 0-2 and phase 3 as two launches
+        lambda: check_chunk_sub([3, 90], 2, 32, 32, f32, 1e-4, 64, False, 5.0,
+                                sub_cfg=dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
     "conv_decode": lambda: check_conv([1, 1, 1], 48, 4, True),
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
@@ -206,6 +270,25 @@ def test_gpu_recurrent(lens):
 @pytest.mark.parametrize("lens", [[4096], [1000, 37, 3000, 64]])
 def test_gpu_chunk(lens):
     check_chunk(lens, 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=len(lens) > 1, device="cuda")
+
+
+@cuda
+@pytest.mark.parametrize("lens,decay", [([4096], 1.0), ([1000, 37, 3000, 64], 1.0),
+                                        ([2048, 5, 300], 40.0)])
+def test_gpu_chunk_sub(lens, decay):
+    """VOLUNDR_KDA_INTRA=sub at Volundr shapes: == the fp32 reference and == the default stage 1
+    (bf16 intermediates: stage-1 outputs agree to bf16 rounding plus tf32 dots)."""
+    check_chunk_sub(lens, 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=len(lens) > 1, decay=decay,
+                    device="cuda", stage_tol=GPU_TOL)
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [dict(sub_maxnreg=168),
+                                 dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)])
+def test_gpu_chunk_sub_variants(cfg):
+    """The sub path's register-capped / two-launch variants (spills, barriers across launches)."""
+    check_chunk_sub([1000, 37, 3000, 64], 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=True,
+                    decay=8.0, device="cuda", stage_tol=GPU_TOL, sub_cfg=cfg)
 
 
 @cuda

@@ -8,20 +8,37 @@ Two launches (plus a tiny host-built chunk map for varlen batches):
        U = u - w S,   o = qg S + Aqk U,   S = diag(2^G_last) S + kg^T U.
    The output is formed here, so the per-chunk states never go to memory unless asked for
    (`return_chunk_states`, for prefix caching).
+Stage 1 has two implementations with the same outputs: "fused" (`_chunk_kda_intra_kernel`, the
+default) and "sub" (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: 16-row sub-chunk tiles and
+fp32 scratch, opt-in while it is unmeasured). VOLUNDR_KDA_INTRA picks one at import;
+CONFIG["intra"] can be changed at run time (tests, benchmarks).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from volundr.kernels.kda.chunk_intra import _chunk_kda_intra_kernel
+from volundr.kernels.kda.chunk_intra_sub import _chunk_kda_intra_sub_kernel
 from volundr.kernels.kda.utils import chunk_maps, seq_bounds, token_strides
 
 # Launch settings, from perf/kernels/bench_kda.py --sweep on the H200 (T = 32K, H = 40).
 # fwd_BV None: 64, or 32 / 16 when that leaves too few programs. (fwd_stages=1 faulted there.)
-CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd_stages": 2}
+CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd_stages": 2,
+          "intra": os.environ.get("VOLUNDR_KDA_INTRA", "fused"),
+          # sub path: channel blocks of the A phase / of the w, qg, kg phase, value block of u,
+          # warps (the sm_90 compile's register-spill-free choice; unmeasured)
+          # maxnreg: None lets ptxas take 226 registers (no spills; 2 CTAs/SM); 168 gives 3 CTAs/SM
+          # with ~200 B of spills. Which is faster is for the GPU to say (bench_kda --intra-compare)
+          "sub_BK1": 32, "sub_BK": 16, "sub_BV": 32, "sub_warps": 4, "sub_maxnreg": None,
+          # sub_split: phases 0-2 and phase 3 (w, u, qg, kg) as two launches; phase 3 alone fits
+          # 128 registers without spills (sub_maxnreg_wu), phases 0-2 168 with ~44 B of spills
+          "sub_split": False, "sub_maxnreg_wu": None}
+INTRA_MODES = ("fused", "sub")
 
 
 @triton.jit(do_not_specialize=["NC"])
@@ -155,7 +172,28 @@ def chunk_kda(
     u = torch.empty(H, NT * BT, V, dtype=dt, device=q.device)
     Aqk = torch.empty(H, NT * BT, BT, dtype=dt, device=q.device)
     gl = torch.empty(max(NT, 1), H, K, dtype=torch.float32, device=q.device)
-    if NT > 0:
+    mode = CONFIG["intra"]
+    if mode not in INTRA_MODES:
+        raise ValueError(f"VOLUNDR_KDA_INTRA / CONFIG['intra'] must be one of {INTRA_MODES}, "
+                         f"got {mode!r}")
+    if NT > 0 and mode == "sub":
+        # fp32 scratch, one chunk's worth per program: G, M = (I + Akk)^-1, row norms of q, k
+        Gs = torch.empty(H, NT * BT, K, dtype=torch.float32, device=q.device)
+        Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
+        rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
+        # sub_split: phases 0-2 and phase 3 as two launches (each its own register budget)
+        for phases in ((1, 2) if CONFIG["sub_split"] else (3,)):
+            _chunk_kda_intra_sub_kernel[(NT, H)](
+                q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
+                chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh,
+                H=H, K=K, V=V, BT=BT, BK=min(CONFIG["sub_BK"], K),
+                BK1=min(CONFIG["sub_BK1"], K), BV=min(CONFIG["sub_BV"], V),
+                L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,
+                HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
+                PHASES=phases, num_warps=CONFIG["sub_warps"], num_stages=1,
+                **({"maxnreg": nreg} if (nreg := CONFIG["sub_maxnreg_wu" if phases == 2 else
+                                                        "sub_maxnreg"]) else {}))
+    elif NT > 0:
         _chunk_kda_intra_kernel[(NT, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, cu_seqlens, chunk_idx,
             scale, TT, NT, s_qt, s_qh, s_vt, s_vh,

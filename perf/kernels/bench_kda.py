@@ -7,6 +7,16 @@ over a state pool, what one KDA layer runs per decode step), eager and replayed 
 Medians of `triton.testing.do_bench`. Writes kda_bench.{json,csv,png} under --out.
 
     python perf/kernels/bench_kda.py --out "$OUT" [--prefill 4096,32768,131072] [--sweep]
+    python perf/kernels/bench_kda.py --out "$OUT" --intra-compare [--intra-T 4096,32768]
+        [--sub-variants] [--no-fla]
+    python perf/kernels/bench_kda.py --out /tmp/x --intra-compare --sub-variants --smoke  # CPU
+
+--intra-compare: our prefill with each stage-1 implementation (chunk.CONFIG["intra"]: "fused",
+the default, and "sub", VOLUNDR_KDA_INTRA=sub) and fla's, checked against each other (and against
+the fp32 naive reference at the first T) before timing, plus a per-kernel profile at the last T.
+--sub-variants also times the sub path's launch settings (SUB_VARIANTS, one compile each) there.
+--smoke runs it at tiny shapes under TRITON_INTERPRET=1 (re-executing itself with it set) so a
+script error shows up without a GPU.
 """
 
 from __future__ import annotations
@@ -25,10 +35,11 @@ from triton.testing import do_bench
 from volundr.kernels.kda import chunk as ours_chunk
 from volundr.kernels.kda import engine
 from volundr.kernels.kda.fused_recurrent import fused_recurrent_kda
-from volundr.kernels.kda.naive import kda_gate
+from volundr.kernels.kda.naive import kda_gate, naive_chunk_kda
 
 H, K, V = 40, 128, 128
 dev = "cuda"
+QKV_DTYPE = torch.bfloat16  # fp32 in --smoke: the interpreter's bf16 tl.dot is wrong
 try:
     import fla.ops.kda as fla_kda
 except Exception as e:  # report and carry on with ours only
@@ -37,7 +48,7 @@ except Exception as e:  # report and carry on with ours only
 
 
 def inputs(B: int, T: int):
-    q, k, v = (torch.randn(B, T, H, d, device=dev, dtype=torch.bfloat16) for d in (K, K, V))
+    q, k, v = (torch.randn(B, T, H, d, device=dev, dtype=QKV_DTYPE) for d in (K, K, V))
     A_log = torch.rand(H, device=dev) * 2.0 - 1.0
     g = kda_gate(torch.randn(B, T, H, K, device=dev), A_log, torch.randn(H * K, device=dev))
     beta = torch.randn(B, T, H, device=dev).sigmoid()
@@ -120,10 +131,10 @@ def sweep(T: int, log) -> None:
     log(dict(kind="config", config=dict(ours_chunk.CONFIG)))
 
 
-def breakdown(T: int, log) -> None:
+def breakdown(T: int, log, impls=None) -> None:
     """Kernel times of one prefill call, ours and fla's (torch profiler)."""
     x = inputs(1, T)
-    for name, mod in (("ours", ours_chunk), ("fla", fla_kda)):
+    for name, mod in impls or (("ours", ours_chunk), ("fla", fla_kda)):
         if mod is None:
             continue
         prefill_call(mod, x)
@@ -135,6 +146,101 @@ def breakdown(T: int, log) -> None:
         ev = {e.key: round(e.device_time_total / 3 / 1000, 4) for e in prof.key_averages()
               if e.device_time_total > 0}
         log(dict(kind="breakdown", impl=name, T=T, kernels_ms=ev))
+
+
+def intra_compare(Ts, log, smoke: bool = False, variants: bool = False,
+                  use_fla: bool = True) -> list[dict]:
+    """Prefill ms per stage-1 implementation (and fla's), each checked before it is timed."""
+    modes = ours_chunk.INTRA_MODES
+    saved = ours_chunk.CONFIG["intra"]
+    rows = []
+    try:
+        for n, T in enumerate(Ts):
+            x = inputs(1, T)
+            r = dict(kind="intra_compare", T=T, ok=True)
+            outs = {}
+            for mode in modes:
+                ours_chunk.CONFIG["intra"] = mode
+                outs[mode] = prefill_call(ours_chunk, x)
+            if fla_kda is not None and use_fla and not smoke:
+                outs["fla"] = prefill_call(fla_kda, x)
+            base = outs["fused"]
+            for name, (o, s_) in outs.items():
+                if name != "fused":
+                    r[f"rel_o_{name}_vs_fused"] = rel(o, base[0])
+                    r[f"rel_state_{name}_vs_fused"] = rel(s_, base[1])
+                    r["ok"] &= bool(torch.isfinite(o).all()) and max(rel(o, base[0]),
+                                                                     rel(s_, base[1])) < 2e-2
+            if n == 0:  # the fp32 reference (python loop over chunks: only at the first T)
+                q, k, v, g, beta, h0 = x
+                o_ref, s_ref = naive_chunk_kda(q, k, v, g, beta, initial_state=h0,
+                                               output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, chunk_size=64)
+                for name, (o, s_) in outs.items():
+                    r[f"rel_o_{name}_vs_naive"] = rel(o, o_ref)
+                    r[f"rel_state_{name}_vs_naive"] = rel(s_, s_ref)
+                    r["ok"] &= max(rel(o, o_ref), rel(s_, s_ref)) < 2e-2
+            if not r["ok"]:
+                rows.append(log(r))  # a wrong kernel's time means nothing
+                continue
+            for mode in modes:
+                ours_chunk.CONFIG["intra"] = mode
+                r[f"{mode}_ms"] = one_ms(lambda x=x: prefill_call(ours_chunk, x), smoke)
+            if "fla" in outs:
+                r["fla_ms"] = one_ms(lambda x=x: prefill_call(fla_kda, x), smoke)
+                r["fla_over_sub"] = r["fla_ms"] / r["sub_ms"]
+            r["fused_over_sub"] = r["fused_ms"] / r["sub_ms"]
+            rows.append(log(r))
+            del outs
+            if not smoke:
+                torch.cuda.empty_cache()
+        if variants and rows and rows[-1]["ok"]:
+            sub_variants(Ts[-1], log, smoke)
+        if not smoke and rows and rows[-1]["ok"]:
+            for mode in modes:  # where the time goes, per kernel, at the last T
+                ours_chunk.CONFIG["intra"] = mode
+                breakdown(Ts[-1], log, impls=((f"ours_{mode}", ours_chunk),))
+    finally:
+        ours_chunk.CONFIG["intra"] = saved
+    return rows
+
+
+# launch settings of the sub path tried at the last T (the default first); each checked against
+# the default stage 1 before it is timed
+SUB_VARIANTS = [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
+                {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
+                {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}]
+
+
+def sub_variants(T: int, log, smoke: bool) -> None:
+    x = inputs(1, T)
+    base = dict(ours_chunk.CONFIG)
+    ours_chunk.CONFIG["intra"] = "fused"
+    o0, s0 = prefill_call(ours_chunk, x)
+    try:
+        for cfg in SUB_VARIANTS:
+            ours_chunk.CONFIG.update(base, intra="sub", **cfg)
+            r = dict(kind="sub_variant", T=T, cfg=cfg)
+            try:
+                o, s_ = prefill_call(ours_chunk, x)
+                r["rel_o_vs_fused"], r["rel_state_vs_fused"] = rel(o, o0), rel(s_, s0)
+                if torch.isfinite(o).all() and max(r["rel_o_vs_fused"],
+                                                   r["rel_state_vs_fused"]) < 2e-2:
+                    r["ms"] = one_ms(lambda: prefill_call(ours_chunk, x), smoke)
+            except Exception as e:  # a launch setting that does not compile: report, go on
+                r["error"] = repr(e)[:300]
+            log(r)
+    finally:
+        ours_chunk.CONFIG.clear()
+        ours_chunk.CONFIG.update(base)
+
+
+def one_ms(fn, smoke: bool) -> float:
+    if not smoke:
+        return med(fn, rep=200)
+    t = time.perf_counter()  # interpreter: one call, only to prove the path runs
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 def prefill_one(T: int) -> dict:
@@ -246,19 +352,44 @@ def main() -> None:
     ap.add_argument("--decode", default="1,8,32,64")
     ap.add_argument("--sweep", action="store_true",
                     help="tune our launch settings, write them to OUT/kda_config.json and stop")
+    ap.add_argument("--intra-compare", action="store_true",
+                    help="prefill with each stage-1 implementation (and fla), checked, then stop")
+    ap.add_argument("--intra-T", default="4096,32768")
+    ap.add_argument("--sub-variants", action="store_true",
+                    help="with --intra-compare: also time the sub path's launch-setting variants")
+    ap.add_argument("--no-fla", action="store_true", help="leave fla out (it autotunes: slow)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (script check)")
     args = ap.parse_args()
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when kernels are defined
+            os.execve(sys.executable, [sys.executable] + sys.argv,
+                      dict(os.environ, TRITON_INTERPRET="1"))
+        global H, K, V, dev, QKV_DTYPE
+        H, K, V, dev, QKV_DTYPE = 2, 32, 32, "cpu", torch.float32
     cfg_path = os.path.join(args.out, "kda_config.json")
     os.makedirs(args.out, exist_ok=True)
-    jl = open(os.path.join(args.out, "kda_sweep.jsonl" if args.sweep else "kda_bench.jsonl"), "w")
+    name = "kda_sweep" if args.sweep else "kda_intra" if args.intra_compare else "kda_bench"
+    jl = open(os.path.join(args.out, name + ".jsonl"), "w")
 
     def log(d):
         print(json.dumps(d), flush=True)
         jl.write(json.dumps(d) + "\n")
         jl.flush()
         return d
-    log(dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    gpu = "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name()
+    log(dict(kind="env", gpu=gpu, torch=torch.__version__,
              triton=triton.__version__, fla=getattr(sys.modules.get("fla"), "__version__", None),
              time=time.strftime("%Y-%m-%d %H:%M:%S")))
+    if args.intra_compare:
+        Ts = [100, 200] if args.smoke else [int(t) for t in args.intra_T.split(",")]
+        rows = intra_compare(Ts, log, args.smoke, args.sub_variants, not args.no_fla)
+        print("intra-compare:  T  fused_ms  sub_ms  fla_ms  fused/sub  ok")
+        for r in rows:
+            print(f'{r["T"]:>8} {r.get("fused_ms", float("nan")):8.3f} '
+                  f'{r.get("sub_ms", float("nan")):8.3f} {r.get("fla_ms", float("nan")):8.3f} '
+                  f'{r.get("fused_over_sub", float("nan")):6.2f} {r["ok"]}')
+        return
     if args.sweep:  # in its own process: a crash here must not take the measurements with it
         decode_sweep(log)
         sweep(32768, log)
