@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one device call (the H200 lease is short):
-#   device run, carry [".gpu", ".whl"]:  bash perf/gpu_checks.sh
-# (env: TESTS to pick test files, QUANT_COMPARE=1 for the batch-1 GEMV comparison,
-#  VARIANTS / TOKENS / BENCH_ARGS for bench_decode.py)
-# 1. the CUDA tests (engine on CUDA, CUDA graphs, the budget cap, every kernel at Volundr-32B
-#    shapes, KDA against fla when its wheel is carried in .whl/), 2. the end-to-end decode
-#    benchmark of Volundr-32B (mixed ~3.2-bit, then bf16). Logs and JSON land in $OUT.
+# Every GPU check of the project in two device calls (one call may run at most 600 s):
+#   device run, carry [".gpu", ".whl"]:
+#     PART=tests bash perf/gpu_checks.sh   # every CUDA test, KDA against fla last (~6 min)
+#     PART=bench bash perf/gpu_checks.sh   # kernel comparisons + end-to-end decode (~6 min)
+# env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
+#      VARIANTS / TOKENS / BENCH_ARGS (perf/bench_decode.py), BENCH_TIMEOUT.
+# Output under $OUT, few files (the device returns about 8): env.txt, gpu_tests.log (-v: one
+# line per test, readable even when a timeout cuts the run), bench.log, gemv_compare.json,
+# gemm16_compare.json, kda_intra.jsonl, decode.json, profiles.txt.
 set -uo pipefail
 source .gpu/bootstrap.sh
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
+PART=${PART:-all}
 mkdir -p "$OUT"
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
@@ -17,17 +20,35 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
 fi
 { git rev-parse HEAD; git status --short; \
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$OUT/env.txt" 2>&1
-TESTS=${TESTS:-"tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_engram.py \
-  tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py tests/test_kernels_kda.py"}
-# shellcheck disable=SC2086
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $TESTS -k "cuda or gpu" \
-  2>&1 | tee "$OUT/gpu_tests.log"
-# (KDA last: fla autotunes on its first call, which can take minutes)
-if [ -n "${QUANT_COMPARE:-}" ]; then  # batch-1 GEMV: the FMA path against the tensor-core one
-  timeout "${QUANT_TIMEOUT:-100}" python3 perf/kernels/bench_quant.py --m1-compare \
-    --out "$OUT/gemv_compare.json" 2>&1 | tail -40 > "$OUT/gemv_compare.log"
+
+if [ "$PART" != bench ]; then
+  TESTS=${TESTS:-"tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_engram.py \
+    tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py \
+    tests/test_triton_only.py tests/test_kernels_kda.py"}
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
+    -k "cuda or gpu" > "$OUT/gpu_tests.log" 2>&1
+  tail -5 "$OUT/gpu_tests.log"
 fi
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-300}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
-  --variants "${VARIANTS:-mixed:16,bf16}" --tokens "${TOKENS:-256}" --profile-dir "$OUT" \
-  ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode.log"
+
+if [ "$PART" != tests ]; then
+  COMPARE=${COMPARE-gemv,gemm16,kda}
+  if [[ ",$COMPARE," == *,gemv,* ]]; then  # batch 1: FMA path vs tensor cores
+    timeout 100 python3 perf/kernels/bench_quant.py --m1-compare \
+      --out "$OUT/gemv_compare.json" 2>&1 | tail -16 >> "$OUT/bench.log"
+  fi
+  if [[ ",$COMPARE," == *,gemm16,* ]]; then  # batch 2-16: tile path vs tensor cores
+    timeout 120 python3 perf/kernels/bench_quant.py --m16-compare \
+      --out "$OUT/gemm16_compare.json" 2>&1 | tail -30 >> "$OUT/bench.log"
+  fi
+  if [[ ",$COMPARE," == *,kda,* ]]; then  # KDA prefill chunk-local stage: current vs sub vs fla
+    timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
+      2>&1 | tail -8 >> "$OUT/bench.log"
+  fi
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
+    --variants "${VARIANTS:-mixed:16@4,mixed:16@4+tc,bf16@4}" --tokens "${TOKENS:-256}" \
+    --no-eager --prefill-lens 2048,4000 --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v Warning | tail -12 >> "$OUT/bench.log"
+  tail -30 "$OUT/bench.log"
+fi

@@ -117,7 +117,7 @@ def compile_all() -> list[str]:
         kda.kda_mixer(q, k, v, g, beta, state, slots, cu, cu_list, K ** -0.5,
                       A_log=torch.zeros(H, dtype=bf), dt_bias=torch.zeros(H * K, dtype=bf))
 
-    # mixed-bit matmuls: every path of the dispatch at every width, tensor-core GEMV included
+    # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
     for bits in (2, 3, 4):
         w = torch.randn(256, 1024) / 32
         qw, s, zr = minmax_quant(w, bits, 128)
@@ -125,10 +125,11 @@ def compile_all() -> list[str]:
         sz = pack_scale_zero(s, zr)
         for m in (1, 16, 64, 256):
             quant.quant_matmul(torch.randn(m, 1024, dtype=bf), qa, qb, sz, bits, 128)
-        paths = (quant.GEMV_PATH, getattr(quant, "TC_MIN_DIM", None))
-        quant.GEMV_PATH, quant.TC_MIN_DIM = "tc", 0
-        quant.quant_matmul(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128)
-        quant.GEMV_PATH, quant.TC_MIN_DIM = paths
+        paths = (quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM)
+        quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM = "tc", "tc", 0
+        for m in (1, 4, 16):  # the opt-in tensor-core GEMV (M = 1) and GEMM (2 <= M <= 16)
+            quant.quant_matmul(torch.randn(m, 1024, dtype=bf), qa, qb, sz, bits, 128)
+        quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM = paths
     return compiled
 
 

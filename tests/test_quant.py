@@ -140,7 +140,49 @@ def check_tc(n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32, **k
     assert err < tol, (n, k, bits, g, kw, err)
 
 
+def check_gemm_tc(m, n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32,
+                  **kw) -> None:
+    """gemm_tc (2 <= M <= 16, bf16 x) vs naive on the same bf16 x; fp32 out isolates the
+    kernel's own error from the output rounding."""
+    from volundr.kernels.quant.gemm_tc import gemm_tc
+
+    qa, qb, sz = _layer(n, k, bits, g, device, seed)
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, g, k)
+    out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)
+    err = _rel(gemm_tc(x, qa, qb, sz, bits, g, out=out, **kw), ref)
+    assert err < tol, (m, n, k, bits, g, kw, err)
+
+
 def run_cpu(group: str) -> None:
+    if group == "gemm_tc":  # the pure-Triton twin of gemm_tc's inline-PTX blocks
+        from volundr.kernels.quant import engine
+        from volundr.kernels.quant.gemm_tc import supported
+
+        assert engine.GEMM16_PATH == "tc"  # set by test_interpreter
+        x2 = torch.zeros(2, 256, dtype=torch.bfloat16)
+        assert supported(x2, 2, 128, 64) and supported(x2, 4, 64, 64)
+        assert not supported(x2.float(), 4, 128, 64) and not supported(x2[:1], 4, 128, 64)
+        assert not supported(torch.zeros(17, 256, dtype=torch.bfloat16), 4, 128, 64)
+        assert not supported(x2, 3, 64, 64) and not supported(x2, 4, 128, 66)
+        for bits in (2, 3, 4):
+            check_gemm_tc(2, 200, 512, bits, 128, "cpu", _seed(), reps=1, splits=1)  # ragged N
+            check_gemm_tc(3, 96, 768, bits, 128, "cpu", _seed(), reps=2, splits=3)
+            check_gemm_tc(8, 128, 384, bits, 128, "cpu", _seed(), reps=4)  # split-K
+            check_gemm_tc(16, 100, 256, bits, 128, "cpu", _seed(), reps=1, num_warps=2)
+            check_gemm_tc(11, 64, 256, bits, 128, "cpu", _seed(), tol=8e-3,
+                          out_dtype=torch.bfloat16, reps=1, splits=1)
+            if bits == 4:
+                check_gemm_tc(5, 64, 256, bits, 64, "cpu", _seed(), reps=2)
+            # engine with VOLUNDR_QUANT_GEMM16=tc: bf16 x at 2 <= M <= 16 takes gemm_tc (at
+            # these small shapes only with the size floor lifted; this is a child process)
+            engine.TC_MIN_DIM = 0
+            qa, qb, sz = _layer(64, 256, bits, 128, "cpu", _seed())
+            for m in (2, 16):
+                x = torch.randn(m, 256).to(torch.bfloat16)
+                ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 256)
+                assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3
+        return
     if group == "gemv_tc":  # the pure-Triton twin of the inline-PTX blocks, same kernel
         from volundr.kernels.quant import engine
         from volundr.kernels.quant.gemv_tc import supported
@@ -179,10 +221,11 @@ def run_cpu(group: str) -> None:
             check_engine(96, 256, bits, 128, "cpu", _seed())
 
 
-@pytest.mark.parametrize("group", ["gemv", "batch", "gemv_tc"])
+@pytest.mark.parametrize("group", ["gemv", "batch", "gemv_tc", "gemm_tc"])
 def test_interpreter(group):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               VOLUNDR_QUANT_GEMV="tc" if group == "gemv_tc" else "fma")
+               VOLUNDR_QUANT_GEMV="tc" if group == "gemv_tc" else "fma",
+               VOLUNDR_QUANT_GEMM16="tc" if group == "gemm_tc" else "tile")
     r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -216,6 +259,9 @@ def _run_ptx(asm: str, ops: list[list]) -> list[list]:
         if tok.startswith(("0x", "0f")):
             return int(tok[2:], 16)
         return regs[t].get(tok, 0x7FC00000)
+
+    def shift(t, tok):  # immediate or register shift amount
+        return int(tok) if tok.isdigit() else val(t, tok)
 
     def put(t, tok, v):
         if tok.startswith("$"):
@@ -253,9 +299,9 @@ def _run_ptx(asm: str, ops: list[list]) -> list[list]:
         x = [v.strip() for v in rest.split(",")]
         for t in range(32):
             if op == "shr.u32":
-                put(t, x[0], val(t, x[1]) >> int(x[2]))
+                put(t, x[0], val(t, x[1]) >> shift(t, x[2]))
             elif op == "shl.b32":
-                put(t, x[0], val(t, x[1]) << int(x[2]))
+                put(t, x[0], val(t, x[1]) << shift(t, x[2]))
             elif op == "lop3.b32":  # LUT index = 4 a + 2 b + c per bit
                 a_, b_, c_, lut = val(t, x[1]), val(t, x[2]), val(t, x[3]), int(x[4], 16)
                 put(t, x[0], sum(((lut >> (4 * (a_ >> k & 1) + 2 * (b_ >> k & 1)
@@ -338,6 +384,83 @@ def test_gemv_tc_ptx_emulated(bits):
     ks = slice(st * 4 * g_, (st + 1) * 4 * g_)
     ref = w_[tile * 32:(tile + 1) * 32, ks] @ x.double()[0, ks]
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("m", [2, 3, 8, 16])
+def test_gemm_tc_ptx_emulated(bits, m):
+    """gemm_tc's PTX (M = 2..16) on one warp (8 quads, 1 rep, 32 output rows), one group,
+    random words: lane c's word rows c NS + s, the per-lane B shifts of 3-bit, x^T as the B
+    operand (sequences >= M zero), the D fragment as (row, sequence) sums and the X/B mma,
+    against the naive reference."""
+    from volundr.kernels.quant import gemm_tc as T
+    from volundr.kernels.quant.gemv_tc import kernel_consts as tc_consts
+    from volundr.kernels.quant.naive import dequantize_kernel_layout
+
+    g_, n_, k_ = 128, 64, 256
+    pa = 4 if bits == 4 else 2
+    wa, np_ = g_ * pa // 32, 16 // pa
+    ns, tt = wa // 4, 1 if m <= 8 else 2
+    gen = torch.Generator().manual_seed(_seed())
+    qa, qb, sz = _layer(n_, k_, bits, g_, "cpu", 0)
+    qa = torch.randint(-2**31, 2**31 - 1, qa.shape, generator=gen, dtype=torch.int32)
+    qb = torch.randint(-2**31, 2**31 - 1, qb.shape, generator=gen, dtype=torch.int32)
+    x = torch.randn(m, k_, generator=gen).to(torch.bfloat16)
+    xb = (x.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    u32 = lambda v: (v.to(torch.int64) & 0xFFFFFFFF).tolist()  # noqa: E731
+    qa_u, qb_u, sz_u = u32(qa), u32(qb), u32(sz)
+    grp, tile = 1, 1  # the second group, rows 32..63
+    kc = T.kernel_consts(bits, tt, ns)
+    offs = tc_consts(bits)["OFFS"]
+    xv = lambda row, k: xb[row][k] if row < m else 0  # noqa: E731
+    # x pair tensors (u, p) per lane: element e = step e // (4 // ns)
+    xps = [[] for _ in range(32)]
+    for t in range(32):
+        c, g = t % 4, (t // 4) % 8
+        for u in range(tt):
+            for p in range(np_):
+                el = []
+                for s in range(ns):
+                    k0 = grp * g_ + c * ns + s
+                    ops = [[None, None, xv(8 * u + g, k0 + p * wa),
+                            xv(8 * u + g, k0 + (p + np_) * wa)]] * 32
+                    el.append(_run_ptx(kc["ASM_PAIRS"][offs[p]], [list(o) for o in ops])[0][0])
+                xps[t] += [el[e // (4 // ns)] for e in range(4)]
+    nf = 2 * tt
+    f = [[0] * (4 * nf) for _ in range(32)]
+    xs = [[[0] * 4 for _ in range(32)] for _ in range(tt)]
+    ka = [kc["XS"][e][kr] for kr in range(4) for e in range(4)]
+    for s in range(ns):
+        step = []
+        for t in range(32):
+            c, n0 = t % 4, tile * 32 + 4 * (t // 4)
+            r = c * ns + s
+            ops = [None] * (4 * nf) + f[t] + [qa_u[grp * wa + r][n0 + j] for j in range(4)]
+            if bits == 3:
+                ops += [qb_u[grp * (wa // 2) + r % (wa // 2)][n0 + j] for j in range(4)]
+                ops += [1 + (c >= 2)] * 4 + [1 - (c >= 2)] * 4
+            step.append(ops + xps[t])
+        f = [o[:4 * nf] for o in _run_ptx(kc["ASM_STEP"][s], step)]
+        for u in range(tt):
+            xsum = [[None] * 4 + xs[u][t] + ka + xps[t][4 * np_ * u:4 * np_ * (u + 1)]
+                    for t in range(32)]
+            xs[u] = [o[:4] for o in _run_ptx(kc["ASM_XSUM"][s], xsum)]
+    y = torch.zeros(16, 32, dtype=torch.float64)
+    for t in range(32):
+        c, q = t % 4, t // 4
+        for u in range(tt):
+            for h in range(2):
+                for j in range(4):
+                    w = sz_u[grp][tile * 32 + 4 * q + j]
+                    s_, z_ = _f32(w << 16), _f32(w & 0xFFFF0000)
+                    fv = _f32(f[t][4 * (2 * u + h) + j])
+                    xx, bb = _f32(xs[u][t][h]), _f32(xs[u][t][2 + h])
+                    y[8 * u + 2 * c + h, 4 * q + j] = s_ * (fv - (bb + z_ * xx))
+    w_ = dequantize_kernel_layout(qa, qb, sz, bits, g_, k_).double()
+    ks = slice(grp * g_, (grp + 1) * g_)
+    ref = x.double()[:, ks] @ w_[tile * 32:(tile + 1) * 32, ks].t()
+    assert not y[m:].any()  # padding sequences stay zero
+    assert ((y[:m] - ref).norm() / ref.norm()).item() < 1e-5
 
 
 # ---- QuantLinear and loading ------------------------------------------------------------------
@@ -491,6 +614,71 @@ def test_cuda_engine_tc_path(bits, monkeypatch):
     monkeypatch.setattr(engine, "GEMV_PATH", "tc")
     qa, qb, sz = _layer(17408, 5120, bits, 128, "cuda", _seed())
     for m in (1, 4):
+        x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
+        ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
+        assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3, m
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n,k", SHAPES_32B + [(262144, 5120)])
+def test_cuda_gemm_tc_matches_naive(n, k, bits):
+    """The inline-PTX 2 <= M <= 16 path (kernels/quant/gemm_tc.py) at M = 2, 8, 16: fp32 out
+    (the kernel's own error: exact products, fp32 accumulation) and bf16 out, engine-like
+    configs; one layer per shape (building the lm_head one dominates)."""
+    from volundr.kernels.quant.gemm_tc import gemm_tc
+    from volundr.kernels.quant.naive import dequantize_kernel_layout
+
+    qa, qb, sz = _layer(n, k, bits, 128, "cuda", _seed())
+    w = dequantize_kernel_layout(qa, qb, sz, bits, 128, k)
+    for m in (2, 8, 16):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ w.t()
+        for dtype, tol, kw in [(torch.float32, 1e-3, dict(reps=2, num_warps=1, waves=8.0)),
+                               (torch.bfloat16, 8e-3, dict(reps=1, num_warps=2, waves=4.0))]:
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            err = _rel(gemm_tc(x, qa, qb, sz, bits, 128, out=out, **kw), ref)
+            assert err < tol, (m, dtype, kw, err)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_gemm_tc_configs_and_edges(bits):
+    """Ragged N, odd M, G = 64 (4-bit), splits 1 .. many, several warps; repeated calls (the
+    split-K counters must be left at zero), CUDA-graph replay and the engine switch."""
+    cases = [(3, 200, 640, dict(reps=1, splits=1)), (16, 5120, 5120, dict(reps=2, splits=10)),
+             (5, 1000, 1152, dict(reps=4, num_warps=2)), (9, 4096, 5120, dict(reps=1, num_warps=4)),
+             (13, 5120, 17408, dict(reps=2, waves=16.0))]
+    for m, n, k, kw in cases:
+        for _ in range(2):
+            check_gemm_tc(m, n, k, bits, 128, "cuda", _seed(), tol=1e-3, **kw)
+    if bits == 4:
+        check_gemm_tc(7, 512, 1024, bits, 64, "cuda", _seed(), tol=1e-3, reps=2)
+    from volundr.kernels.quant.gemm_tc import gemm_tc
+
+    qa, qb, sz = _layer(5120, 5120, bits, 128, "cuda", _seed())
+    x = torch.randn(16, 5120, device="cuda", dtype=torch.bfloat16)
+    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
+    out = torch.empty(16, 5120, device="cuda", dtype=torch.bfloat16)
+    gemm_tc(x, qa, qb, sz, bits, 128, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm_tc(x, qa, qb, sz, bits, 128, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    graph.replay()
+    assert _rel(out, ref) < 8e-3
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_engine_gemm16_tc_path(bits, monkeypatch):
+    from volundr.kernels.quant import engine
+
+    monkeypatch.setattr(engine, "GEMM16_PATH", "tc")
+    qa, qb, sz = _layer(17408, 5120, bits, 128, "cuda", _seed())
+    for m in (1, 2, 4, 16, 17):
         x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
         ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
         assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3, m

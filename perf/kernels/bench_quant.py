@@ -6,6 +6,11 @@
         a few configs) at the 4 shapes x 2/3/4 bits; each variant checked against the naive
         reference before it is timed (a wrong one is reported, never timed). CPU dry run of
         the same script at tiny shapes: TRITON_INTERPRET=1 ... --m1-compare --smoke
+    python perf/kernels/bench_quant.py --m16-compare --out $OUT/gemm16.json
+        M = 2, 4, 8, 16: the engine's batch path (tl.dot tiles of 16 rows, BATCH_CONFIG) vs
+        the tensor-core GEMM with x^T as the mma B operand (gemm_tc.py, a few configs), same
+        checks, shapes and JSON style (H200: well under 90 s); CPU dry run:
+        TRITON_INTERPRET=1 ... --m16-compare --smoke
 
 Per (shape, bits, M) it times every kernel config of a small sweep, checks each config's
 output against the naive fp32 reference, and reports the best: time, bytes moved (packed
@@ -30,9 +35,10 @@ import torch.nn.functional as F
 import triton
 
 from volundr.kernels.quant.gemm import dequant_matmul
+from volundr.kernels.quant.gemm_tc import gemm_tc
 from volundr.kernels.quant.gemv import quant_matmul_triton
 from volundr.kernels.quant.gemv_tc import gemv_tc
-from volundr.kernels.quant.naive import naive_quant_matmul
+from volundr.kernels.quant.naive import dequantize_kernel_layout, naive_quant_matmul
 
 SHAPES = [(5120, 5120), (17408, 5120), (5120, 17408), (262144, 5120)]  # (out N, in K)
 # (bn, num_warps, waves, prefetch, num_stages); M = 1 rows per thread = bn / (128 num_warps)
@@ -291,27 +297,121 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
     return 1 if bad else 0
 
 
+# --m16-compare: tensor-core GEMM configs (reps, warps, waves): BN = 64 rows per 1-warp program
+# with split-K to ~8 / ~4 programs per SM (the fp32 partials grow with M), BN = 128 (4 reps:
+# the X/B mma and x pair build shared by twice the rows; ~240 registers, no spills) at ~4
+GEMM16_CFGS = [(2, 1, 8.0), (2, 1, 4.0), (4, 1, 4.0)]
+M16_MS = [2, 4, 8, 16]
+M16_SMOKE_SHAPES = [(96, 256)]
+
+
+def m16_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
+    """2 <= M <= 16: the engine's batch path (16-row tl.dot tiles) vs gemm_tc at SHAPES x bits
+    2/3/4 x M16_MS, one JSON. Each variant is checked against the naive reference first; a wrong
+    one is recorded, not timed. smoke: tiny shapes, no timing (CPU interpreter dry run)."""
+    from volundr.kernels.quant.engine import BATCH_CONFIG, MAX_M
+
+    dev = "cpu" if smoke else "cuda"
+    t0 = time.time()
+    data = {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "copy_gbs": float("nan") if smoke else copy_bandwidth(), "rows": []}
+    rows = data["rows"]
+    shapes = M16_SMOKE_SHAPES if smoke else SHAPES
+    ms = [3, 16] if smoke else M16_MS
+    for n, k in shapes:
+        for bits in (2, 3, 4):
+            nbytes = layer_bytes(random_layer(n, k, bits, device=dev))
+            copies = 1 if smoke else max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
+            layers = [random_layer(n, k, bits, seed=c, device=dev) for c in range(copies)]
+            # the naive reference's W once per layer (fp32; 5.4 GB for lm_head), then per M
+            w = dequantize_kernel_layout(*layers[0], bits, 128, k)
+            for m in ms:
+                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                ref = x.float() @ w.t()
+                variants = [("tile", dict(BATCH_CONFIG))]
+                variants += [("tc", dict(reps=r, num_warps=w, waves=wv)) for r, w, wv in tc_cfgs]
+                for name, kw in variants:
+                    rec = {"n": n, "k": k, "bits": bits, "m": m, "variant": name, **kw,
+                           "bytes": nbytes, "copies": copies}
+                    y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+
+                    def fn(c, name=name, kw=kw, y=y, x=x, layers=layers, bits=bits):
+                        if name == "tile":
+                            quant_matmul_triton(x, *layers[c], bits, 128, out=y, block_m=MAX_M,
+                                                **kw)
+                        else:
+                            gemm_tc(x, *layers[c], bits, 128, out=y, **kw)
+                    try:
+                        y.fill_(float("nan"))
+                        t1 = time.time()
+                        fn(0)  # compiles on first use
+                        if not smoke:
+                            torch.cuda.synchronize()
+                        rec["first_call_s"] = time.time() - t1
+                        rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                        if not rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
+                            rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
+                        else:
+                            rec["us"] = cpu_time(fn) if smoke else time_graph(fn, copies, rep=20)
+                            rec["gbs"] = nbytes / (rec["us"] * 1e-6) / 1e9
+                            rec["frac_copy"] = rec["gbs"] / data["copy_gbs"]
+                    except Exception as e:  # record, go on with the other variants
+                        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    rows.append(rec)
+                    cfg = " ".join(f"{a}={b}" for a, b in kw.items() if a != "prefetch")
+                    res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}% copy"
+                           if "us" in rec else rec.get("error", "ok (not timed)"))
+                    print(f"{n:6d}x{k:<6d} {bits}b M={m:<2d} {name:4s} {cfg:44s} err "
+                          f"{rec.get('rel_err', float('nan')):.1e}  {res}", flush=True)
+            del w
+    print("summary (best tc vs tile, us):")
+    for n, k in shapes:
+        for bits in (2, 3, 4):
+            line = []
+            for m in ms:
+                sel = [r for r in rows if (r["n"], r["k"], r["bits"], r["m"]) == (n, k, bits, m)
+                       and "us" in r]
+                old = [r["us"] for r in sel if r["variant"] == "tile"]
+                new = [r["us"] for r in sel if r["variant"] == "tc"]
+                if old and new:
+                    line.append(f"M={m}: {old[0]:.1f} -> {min(new):.1f} ({old[0] / min(new):.2f}x)")
+            print(f"  {n}x{k} {bits}b: " + "  ".join(line))
+    data["seconds"] = time.time() - t0
+    path = out if out.endswith(".json") else os.path.join(out, "gemm16_compare.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    bad = [r for r in rows if "error" in r]
+    print(f"done in {data['seconds']:.0f} s, {len(bad)} variant(s) failed -> {path}")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."),
-                    help="folder (or, with --m1-compare, a .json path)")
+                    help="folder (or, with --m1-compare / --m16-compare, a .json path)")
     ap.add_argument("--m1-compare", action="store_true",
                     help="only M = 1: FMA GEMV vs tensor-core GEMV (gemv_tc.py)")
+    ap.add_argument("--m16-compare", action="store_true",
+                    help="only M = 2..16: tl.dot tiles vs tensor-core GEMM (gemm_tc.py)")
     ap.add_argument("--smoke", action="store_true",
-                    help="with --m1-compare: tiny shapes on the CPU, no timing "
+                    help="with --m1-compare / --m16-compare: tiny shapes on the CPU, no timing "
                          "(run under TRITON_INTERPRET=1)")
     ap.add_argument("--quick", action="store_true",
-                    help="two configs per case, no prefill (--m1-compare: one tc config)")
+                    help="two configs per case, no prefill (--m1/--m16-compare: one tc config)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     args = ap.parse_args(argv)
-    if args.m1_compare:
+    if args.m1_compare or args.m16_compare:
         if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke runs on the CPU: set TRITON_INTERPRET=1", file=sys.stderr)
             return 1
         if not args.smoke and not torch.cuda.is_available():
             print("needs CUDA (or --smoke)", file=sys.stderr)
             return 1
+        if args.m16_compare:
+            return m16_compare(args.out, args.smoke,
+                               GEMM16_CFGS[:1] if args.quick else GEMM16_CFGS)
         return m1_compare(args.out, args.smoke, TC_CFGS[:1] if args.quick else TC_CFGS)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
