@@ -8,8 +8,9 @@ eager decode step (torch.profiler) when --profile-dir is given.
 
 Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
 cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per
-engine step (EngineConfig.decode_steps), e.g. mixed:16@4; a suffix +PATH picks the batch-1
-mixed-bit GEMV (volundr.kernels.quant.engine.GEMV_PATH, e.g. mixed:16@4+tc).
+engine step (EngineConfig.decode_steps), e.g. mixed:16@4; a suffix +tc puts the batch-1 mixed-bit
+GEMV on the tensor cores (volundr.kernels.quant.engine.GEMV_PATH), +tc16 also the 2-16 row GEMM
+(GEMM16_PATH), e.g. mixed:16@4+tc16.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -290,9 +291,12 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         import volundr.kernels.quant.engine as qengine
 
-        default_path = getattr(qengine, "GEMV_PATH", None)
-        if gemv_path:
-            qengine.GEMV_PATH = gemv_path  # read at call time: the graphs capture this path
+        default_paths = qengine.GEMV_PATH, qengine.GEMM16_PATH
+        if gemv_path not in ("", "tc", "tc16"):
+            raise SystemExit(f"unknown matmul path suffix +{gemv_path} (tc or tc16)")
+        if gemv_path:  # read at call time: the graphs capture these paths
+            qengine.GEMV_PATH = "tc"
+            qengine.GEMM16_PATH = "tc" if gemv_path == "tc16" else "tile"
         t = time.perf_counter()
         engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
                        int(steps or 1), args.max_model_len)
@@ -334,7 +338,7 @@ def main() -> None:
             res["runs"].append(entry)
             print(json.dumps(entry), flush=True)
         del engine, graphs
-        qengine.GEMV_PATH = default_path
+        qengine.GEMV_PATH, qengine.GEMM16_PATH = default_paths
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, dev.index or 0)

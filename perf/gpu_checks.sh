@@ -47,7 +47,7 @@ if [ "$PART" != tests ]; then
   fi
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
-    --variants "${VARIANTS:-mixed:16@4,mixed:16@4+tc,bf16@4}" --tokens "${TOKENS:-256}" \
+    --variants "${VARIANTS:-mixed:16@4,mixed:16@4+tc,mixed:16@4+tc16}" --tokens "${TOKENS:-256}" \
     --no-eager --prefill-lens 2048,4000 --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning | tail -12 >> "$OUT/bench.log"
   tail -30 "$OUT/bench.log"
