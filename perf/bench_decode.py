@@ -203,6 +203,62 @@ def profile_host(engine: LLMEngine, path: str, steps: int = 30) -> dict:
 
 
 @torch.no_grad()
+def matmul_census(engine: LLMEngine, path: str, batch: int = 1, min_calls: int = 64) -> dict:
+    """Where the matmul time of a decode step goes, by shape: the model's linears (MTP
+    excluded) grouped by (name pattern, out N, in K, bits); per group one CUDA graph calls every
+    member in turn (distinct weights, as a decode step reads them; a group's weights may still
+    sit in L2 when they are small) on x [batch, K], replayed. Table to `path`, sorted by time
+    per step; the sum is the matmul time of one step at this batch, launches back to back."""
+    from volundr.model.quant_linear import QuantLinear
+
+    m = engine.runner.model
+    skip = {id(x) for x in m.mtp.modules()} if m.mtp is not None else set()
+    groups: dict[tuple, list] = collections.defaultdict(list)
+    for name, mod in m.named_modules():
+        if id(mod) in skip or not isinstance(mod, (QuantLinear, torch.nn.Linear)):
+            continue
+        bits = getattr(mod, "bits", 16)
+        groups[(re.sub(r"\.\d+\.", ".*.", name), mod.out_features, mod.in_features,
+                bits)].append(mod)
+    dev = next(m.parameters()).device
+    rows = []
+    for (name, n, k, bits), mods in groups.items():
+        x = torch.randn(batch, k, dtype=torch.bfloat16, device=dev)
+        reps = max(1, -(-min_calls // len(mods)))
+        for mod in mods:  # compile outside the capture
+            mod(x)
+        sync()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                for mod in mods:
+                    mod(x)
+        g.replay()
+        sync()
+        t = time.perf_counter()
+        for _ in range(5):
+            g.replay()
+        sync()
+        us = 1e6 * (time.perf_counter() - t) / (5 * reps * len(mods))
+        wb = sum(t.numel() * t.element_size()  # weight bytes of one member
+                 for t in list(mods[0].buffers()) + list(mods[0].parameters()))
+        rows.append({"name": name, "n": n, "k": k, "bits": bits, "count": len(mods),
+                     "us_each": us, "ms_per_step": us * len(mods) / 1e3,
+                     "GBps": wb / (us * 1e-6) / 1e9})
+        del g
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(r["ms_per_step"] for r in rows)
+    with open(path, "a") as f:
+        f.write(f"# matmul census, batch {batch}: {total:.2f} ms per step in "
+                f"{sum(r['count'] for r in rows)} matmuls\n")
+        f.write("ms/step  count  us_each   GB/s  bits  out N x in K  module\n")
+        for r in rows:
+            f.write(f"{r['ms_per_step']:7.3f} {r['count']:6d} {r['us_each']:8.2f} "
+                    f"{r['GBps']:6.0f} {r['bits']:5d}  {r['n']:>6d}x{r['k']:<6d} {r['name']}\n")
+    return {"batch": batch, "ms_per_step": total, "rows": rows}
+
+
+@torch.no_grad()
 def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
     """A random volundr-mixed checkpoint: uniform random codes (qweight bytes), scales that give
     N(0, 1/in)-sized weights, mid-range zeros; loaded through the real repacking path. Drawn on
@@ -314,6 +370,8 @@ def main() -> None:
                 built["profile_bs16"] = profile_step(engine, prof_path, 16)
                 if graphs is not None:
                     built["host_bs1"] = profile_host(engine, prof_path)
+                built["census_bs1"] = matmul_census(engine, prof_path, 1)
+                built["census_bs16"] = matmul_census(engine, prof_path, 16)
             except Exception as e:  # the breakdown is extra: never lose the run to it
                 built["profile_error"] = repr(e)
         modes = (False, True) if graphs is not None else (False,)
