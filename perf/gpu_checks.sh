@@ -4,7 +4,8 @@
 #     PART=tests bash perf/gpu_checks.sh   # every CUDA test, KDA against fla last (~6 min)
 #     PART=bench bash perf/gpu_checks.sh   # kernel comparisons + end-to-end decode (~6 min)
 # env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
-#      VARIANTS / TOKENS / BENCH_ARGS (perf/bench_decode.py), BENCH_TIMEOUT.
+#      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
+#      BENCH_TIMEOUT.
 # Output under $OUT, few files (the device returns about 8): env.txt, gpu_tests.log (-v: one
 # line per test, readable even when a timeout cuts the run), bench.log, gemv_compare.json,
 # gemm16_compare.json, kda_intra.jsonl, decode.json, profiles.txt.
@@ -45,9 +46,10 @@ if [ "$PART" != tests ]; then
     timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
       2>&1 | tail -8 >> "$OUT/bench.log"
   fi
+  VARIANTS=${VARIANTS-mixed:16@4,mixed:16@4+tc,mixed:16@4+tc16}
   # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
-    --variants "${VARIANTS:-mixed:16@4,mixed:16@4+tc,mixed:16@4+tc16}" --tokens "${TOKENS:-256}" \
+  [ -n "$VARIANTS" ] && timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
+    --variants "$VARIANTS" --tokens "${TOKENS:-256}" \
     --no-eager --prefill-lens 2048,4000 --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning | tail -12 >> "$OUT/bench.log"
   tail -30 "$OUT/bench.log"
