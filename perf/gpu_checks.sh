@@ -5,7 +5,8 @@
 #     PART=bench bash perf/gpu_checks.sh   # kernel comparisons + end-to-end decode (~6 min)
 # env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
-#      BENCH_TIMEOUT.
+#      BENCH_TIMEOUT; PDL_TESTS / PDL_VARIANTS: tests / variants run again with VOLUNDR_PDL=1
+#      (programmatic dependent launch, kernels/pdl.py; decode_pdl.json).
 # Output under $OUT, few files (the device returns about 8): env.txt, gpu_tests.log (-v: one
 # line per test, readable even when a timeout cuts the run), bench.log, gemv_compare.json,
 # gemm16_compare.json, kda_intra.jsonl, decode.json, profiles.txt.
@@ -30,6 +31,13 @@ if [ "$PART" != bench ]; then
   timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
     -k "cuda or gpu" > "$OUT/gpu_tests.log" 2>&1
   tail -5 "$OUT/gpu_tests.log"
+  if [ -n "${PDL_TESTS:-}" ]; then  # again with programmatic dependent launch (kernels/pdl.py)
+    echo "######## VOLUNDR_PDL=1" >> "$OUT/gpu_tests.log"
+    # shellcheck disable=SC2086
+    VOLUNDR_PDL=1 timeout "${PDL_TEST_TIMEOUT:-200}" python3 -m pytest -v --tb=short \
+      -p no:cacheprovider $PDL_TESTS -k "cuda or gpu" >> "$OUT/gpu_tests.log" 2>&1
+    tail -3 "$OUT/gpu_tests.log"
+  fi
 fi
 
 if [ "$PART" != tests ]; then
@@ -52,5 +60,14 @@ if [ "$PART" != tests ]; then
     --variants "$VARIANTS" --tokens "${TOKENS:-256}" \
     --no-eager --prefill-lens 2048,4000 --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning | tail -12 >> "$OUT/bench.log"
+  if [ -n "${PDL_VARIANTS:-}" ]; then  # the same with VOLUNDR_PDL=1: a process of its own
+    echo "######## VOLUNDR_PDL=1" >> "$OUT/bench.log"
+    echo "######## VOLUNDR_PDL=1" >> "$OUT/profiles.txt"
+    # shellcheck disable=SC2086
+    VOLUNDR_PDL=1 timeout "${PDL_BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py \
+      --out "$OUT/decode_pdl.json" --variants "$PDL_VARIANTS" --tokens "${TOKENS:-256}" \
+      --no-eager --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tail -8 \
+      >> "$OUT/bench.log"
+  fi
   tail -30 "$OUT/bench.log"
 fi

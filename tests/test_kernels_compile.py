@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 SMS = 132  # the H200's SM count, for the wrappers that size grids from it
@@ -133,8 +134,10 @@ def compile_all() -> list[str]:
     return compiled
 
 
-def test_kernels_compile_for_sm90():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_kernels_compile_for_sm90(pdl):
+    """pdl=1: programmatic dependent launch (volundr.kernels.pdl) with its L2 prefetches."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl)
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=900)

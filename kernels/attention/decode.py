@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels import pdl
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256  # the merge holds all of a head's splits in one [S_PAD, BLOCK_D] tile
 MIN_SPLIT = 256  # tokens
@@ -41,6 +43,7 @@ def _decode_split_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
 ):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -99,6 +102,7 @@ def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, cu_ptr, ctx_ptr, num_splits,
                          min_split, stride_ot, stride_oh,
                          H: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (n, h, d-chunk): o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)."""
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     n = tl.program_id(0)
     h = tl.program_id(1)
     q_idx = tl.load(cu_ptr + n)

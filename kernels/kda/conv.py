@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels import pdl
+
 
 @triton.jit
 def _conv_taps(x, w, st, o_t, bos, eos, slot, o_c, m_c, s_xt, C,
@@ -42,6 +44,7 @@ def _conv_taps(x, w, st, o_t, bos, eos, slot, o_c, m_c, s_xt, C,
 def _conv_tok_kernel(x, w, st, y, cu_seqlens, slot_ids, T, s_xt, s_yt, C, N,
                      W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr,
                      HAS_STATE: tl.constexpr, SILU: tl.constexpr):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -63,6 +66,7 @@ def _conv_seq_kernel(x, w, st, y, cu_seqlens, slot_ids, s_xt, s_yt, C,
                      W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      COMPUTE_Y: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
                      ONE_TOKEN: tl.constexpr):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     if ONE_TOKEN:  # decode: token n is sequence n's only token; no dependency on cu_seqlens
         bos = i_n.to(tl.int64)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels import pdl
 from volundr.kernels.kda.utils import kda_gate_act, token_strides
 
 
@@ -54,6 +55,7 @@ def _fused_recurrent_kda_kernel(
     L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, ONE_TOKEN: tl.constexpr,
 ):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if USE_IDX:

@@ -12,11 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps,
                      stride_x, stride_r, stride_y, stride_s,
                      HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     rmask = rows < n_rows
@@ -41,6 +44,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps,
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o,
                    BLOCK: tl.constexpr):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,6 +57,7 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o,
 @triton.jit
 def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, eps,
                            stride_x, stride_g, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pdl.trigger()  # a PDL-launched GEMV after this one may start
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels import pdl
+
 MAX_M = 16
 
 
@@ -160,6 +162,7 @@ def quant_matmul_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                         NW: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
                         SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         PREFETCH: tl.constexpr):
+    pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -173,6 +176,7 @@ def quant_matmul_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     # PREFETCH: register double buffering, group g + 1's words are in flight while g computes
     a0n, a1n, bn_, szn = _load_group(qa_ptr, qb_ptr, sz_ptr, g0, N, rn, nmask, True, BITS, WA,
                                      USE_DOT)
+    pdl.wait()  # PDL: the first group's weights are in flight; x comes from the kernel before
     for g in range(g0, g1):
         if PREFETCH:
             a0, a1, b, szw = a0n, a1n, bn_, szn
@@ -295,5 +299,6 @@ def quant_matmul_triton(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz:
         m, n, x.stride(0), out.stride(0), num_groups, gps, ns, (1 << pa) - 1,
         BITS=bits, PA=pa, WA=wa, G=group_size, NW=2 if pa == 4 else 4, BLOCK_M=block_m,
         BN=bn, SPLIT_K=ns > 1, USE_DOT=block_m > 1,
-        DOT_DTYPE=_dot_dtype(x), PREFETCH=prefetch, num_warps=num_warps, **extra)
+        DOT_DTYPE=_dot_dtype(x), PREFETCH=prefetch, num_warps=num_warps,
+        launch_pdl=pdl.ON.value, **extra)
     return out

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels import pdl
 from volundr.kernels.quant.gemv import _workspace, split_k
 
 MAGIC = 0x43004300  # bf16x2 (128, 128): a code OR-ed into the mantissa reads 128 + q 2^o
@@ -290,6 +291,18 @@ def _ld(ptr, mask, MASKED: tl.constexpr):
     return tl.load(ptr)
 
 
+@triton.jit
+def _prefetch_rows(ptr, row0, row1, col0, N, PF_ASM: tl.constexpr):
+    """L2 prefetch of int32 rows row0 .. row1 - 1, columns col0 .. col0 + BN (PF_ASM's size),
+    of a [rows, N] plane: 32 rows per pass, a lane each."""
+    r = tl.arange(0, 32)
+    for r0 in range(row0, row1, 32):
+        rows = tl.minimum(r0 + r, row1 - 1)  # past the end: the last row again (harmless)
+        addr = (ptr + rows.to(tl.int64) * N + col0).to(tl.int64, bitcast=True)
+        tl.inline_asm_elementwise(PF_ASM, "=r,l", [addr], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
 def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -299,7 +312,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    SH: tl.constexpr, MSK: tl.constexpr, OFFS: tl.constexpr,
                    ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr, ASM_PAIRS: tl.constexpr,
                    CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
-                   ASM_KEEP: tl.constexpr, EVEN: tl.constexpr):
+                   ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
+                   PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = ""):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows."""
     BN: tl.constexpr = 4 * L * Q
@@ -307,8 +321,17 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     NP: tl.constexpr = S // 2  # pairs per A word
     NPT: tl.constexpr = NP  # x pair tensors per block
     NBLK: tl.constexpr = WA // 4  # blocks of 4 A rows
+    pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    set0 = pid_k * sets_per_split
+    set1 = tl.minimum(set0 + sets_per_split, (num_groups + 3) // 4)
+    if PREFETCH_L2:  # PDL: this program's weights head for L2 while the kernel before runs
+        _prefetch_rows(qa_ptr, set0 * 4 * WA, set1 * 4 * WA, pid_n * BN, N, PF_ASM)
+        if BITS == 3:
+            _prefetch_rows(qb_ptr, set0 * 2 * WA, set1 * 2 * WA, pid_n * BN, N, PF_ASM)
+        _prefetch_rows(sz_ptr, set0 * 4, set1 * 4, pid_n * BN, N, PF_ASM)
+    pdl.wait()  # x and the split-K workspace come from earlier kernels
     # dims (c, quad, rep, j): with contiguity only along j, Triton orders the layout's dims
     # (3, 0, 1, 2), so lane = 4 quad + c as the mma fragments need (see the module docstring)
     c4 = tl.arange(0, 4)[:, None, None, None]
@@ -329,8 +352,6 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             v = v + tl.zeros([4, Q, 1, 4], dtype=tl.int32)
             ka = ka + (tl.inline_asm_elementwise(ASM_KEEP[kr], "=r,r", [v], dtype=tl.int32,
                                                  is_pure=True, pack=1),)
-    set0 = pid_k * sets_per_split
-    set1 = tl.minimum(set0 + sets_per_split, (num_groups + 3) // 4)
     for st in range(set0, set1):
         grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
         if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
@@ -466,9 +487,14 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         ws, cnt = _workspace(x.device, n_tiles, ns * n)
     else:
         ws, cnt = out, out
+    even = n % bn == 0 and num_groups % 4 == 0
+    # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
+    # holding its address: rows off the line grid lose at most a line)
+    prefetch = pdl.ON.value and even and bn % 32 == 0 and not _interpreting()
     gemv_tc_kernel[(n_tiles, ns)](
         x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns,
         BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
-        USE_ASM=not _interpreting(), EVEN=n % bn == 0 and num_groups % 4 == 0,
-        **kernel_consts(bits), num_warps=num_warps)
+        USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
+        PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
+        num_warps=num_warps, launch_pdl=pdl.ON.value)
     return out
