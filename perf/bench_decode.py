@@ -96,8 +96,10 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
         ids = torch.randint(16, engine.cfg.vocab_size, (prompt_len,), generator=g).tolist()
         engine.add_request(ids, p, f"b{batch}-{i}")
     steps, t0, n = 0, None, 0
+    head: list[int] = []  # the first request's first ids: runs of one build compare equal
     while engine.has_unfinished():
         outs = engine.step()
+        head += [t for o in outs if o.request_id == f"b{batch}-0" for t in o.new_token_ids]
         if t0 is None and outs and all(o.num_output_tokens >= 1 for o in outs):
             sync()
             t0 = time.perf_counter()  # all prefills done: time decode only
@@ -109,7 +111,8 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
     dt = time.perf_counter() - t0
     return {"batch": batch, "prompt_len": prompt_len, "decode_tokens": n, "steps": steps,
             "seconds": dt, "tok_per_s": n / dt, "ms_per_step": 1e3 * dt / max(steps, 1),
-            "ms_per_token": 1e3 * dt * batch / max(n, 1)}  # per token of one sequence
+            "ms_per_token": 1e3 * dt * batch / max(n, 1),  # per token of one sequence
+            "ids_head": head[:32]}
 
 
 def graph_ms(engine: LLMEngine, bs: int, reps: int = 50) -> float | None:

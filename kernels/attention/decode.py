@@ -43,7 +43,8 @@ def _decode_split_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -102,7 +103,8 @@ def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, cu_ptr, ctx_ptr, num_splits,
                          min_split, stride_ot, stride_oh,
                          H: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (n, h, d-chunk): o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)."""
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     n = tl.program_id(0)
     h = tl.program_id(1)
     q_idx = tl.load(cu_ptr + n)
@@ -181,11 +183,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         H=H, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
-        BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl.ON.value)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D
         _decode_merge_kernel[(N, H, D // block_d)](
             opart, lse, o, cu_seqlens_q, context_lens, num_splits, block_n, min_split,
             o.stride(0), o.stride(1), H=H, S_PAD=max(16, triton.next_power_of_2(num_splits)),
-            BLOCK_D=block_d, num_warps=4)
+            BLOCK_D=block_d, num_warps=4, launch_pdl=pdl.ON.value)
     return o

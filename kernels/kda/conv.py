@@ -44,7 +44,8 @@ def _conv_taps(x, w, st, o_t, bos, eos, slot, o_c, m_c, s_xt, C,
 def _conv_tok_kernel(x, w, st, y, cu_seqlens, slot_ids, T, s_xt, s_yt, C, N,
                      W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr,
                      HAS_STATE: tl.constexpr, SILU: tl.constexpr):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -66,7 +67,8 @@ def _conv_seq_kernel(x, w, st, y, cu_seqlens, slot_ids, s_xt, s_yt, C,
                      W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      COMPUTE_Y: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
                      ONE_TOKEN: tl.constexpr):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     if ONE_TOKEN:  # decode: token n is sequence n's only token; no dependency on cu_seqlens
         bos = i_n.to(tl.int64)
@@ -145,16 +147,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             x, weight, conv_state, y, cu_seqlens, slot_ids, x.stride(0), y.stride(0), C,
             W=W, WP=triton.next_power_of_2(max(W - 1, 1)), BT=BT, BC=BC,
             COMPUTE_Y=True, HAS_STATE=has_state, SILU=silu,
-            ONE_TOKEN=one_token_per_seq and T == N, num_warps=4)
+            ONE_TOKEN=one_token_per_seq and T == N, num_warps=4, launch_pdl=pdl.ON.value)
         return y
     BT = 16
     _conv_tok_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x, weight, conv_state, y, cu_seqlens, slot_ids, T, x.stride(0), y.stride(0), C, N,
         W=W, BT=BT, BC=BC, BN=triton.next_power_of_2(N), HAS_STATE=has_state, SILU=silu,
-        num_warps=4)
+        num_warps=4, launch_pdl=pdl.ON.value)
     if has_state:
         _conv_seq_kernel[(N, triton.cdiv(C, BC))](
             x, weight, conv_state, y, cu_seqlens, slot_ids, x.stride(0), y.stride(0), C,
             W=W, WP=triton.next_power_of_2(max(W - 1, 1)), BT=1, BC=BC,
-            COMPUTE_Y=False, HAS_STATE=True, SILU=silu, ONE_TOKEN=False, num_warps=4)
+            COMPUTE_Y=False, HAS_STATE=True, SILU=silu, ONE_TOKEN=False, num_warps=4,
+            launch_pdl=pdl.ON.value)
     return y

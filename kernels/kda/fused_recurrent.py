@@ -55,7 +55,8 @@ def _fused_recurrent_kda_kernel(
     L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, ONE_TOKEN: tl.constexpr,
 ):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if USE_IDX:
@@ -182,6 +183,7 @@ def fused_recurrent_kda(
         HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
         ONE_TOKEN=one_token_per_seq or (T == 1 and cu_seqlens is None),
         num_warps=num_warps or (2 if BV <= 16 else 4),
+        launch_pdl=pdl.ON.value,
     )
     final = ht if (output_final_state or inplace_final_state) else None
     if return_intermediate_states:

@@ -19,7 +19,8 @@ from volundr.kernels import pdl
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps,
                      stride_x, stride_r, stride_y, stride_s,
                      HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     rmask = rows < n_rows
@@ -44,7 +45,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps,
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o,
                    BLOCK: tl.constexpr):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,7 +59,8 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o,
 @triton.jit
 def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, eps,
                            stride_x, stride_g, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    pdl.trigger()  # a PDL-launched GEMV after this one may start
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -106,7 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(triton.cdiv(R, rows),)](
         x2, r2, weight, y2, s2, R, C, eps,
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
-        HAS_RES=residual is not None, ROWS=rows, BLOCK=block, num_warps=num_warps)
+        HAS_RES=residual is not None, ROWS=rows, BLOCK=block, num_warps=num_warps,
+        launch_pdl=pdl.ON.value)
     return (y, s) if residual is not None else y
 
 
@@ -126,7 +130,7 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
     rows = max(1, min(16, 4096 // block))
     _rms_norm_gated_kernel[(triton.cdiv(R, rows),)](
         x2, g2, weight, y2, R, C, eps, x2.stride(0), g2.stride(0), y2.stride(0),
-        ROWS=rows, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+        ROWS=rows, BLOCK=block, num_warps=4 if block <= 2048 else 8, launch_pdl=pdl.ON.value)
     return y
 
 
@@ -142,5 +146,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(4096, triton.next_power_of_2(C))
     _swiglu_kernel[(R, triton.cdiv(C, block))](
-        g2, u2, o2, C, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4)
+        g2, u2, o2, C, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4,
+        launch_pdl=pdl.ON.value)
     return out
