@@ -44,10 +44,31 @@ def _install_fake_driver() -> list[str]:
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append(self.__name__)
+        if kwargs.get("launch_pdl"):
+            PDL_PTX.append((self.__name__, kernel.asm["ptx"]))
         return kernel
 
     jit.JITFunction.run = compile_only
     return compiled
+
+
+PDL_PTX: list[tuple[str, str]] = []  # (name, PTX) of each kernel launched with PDL
+
+
+def pdl_order_errors(kernels: list[tuple[str, str]]) -> list[str]:
+    """kernels/pdl.py's rule, read off the PTX of each PDL-launched kernel: it triggers, and it
+    waits before its first global store or atomic (the wait sits at the top, so the text order
+    is the execution order there)."""
+    errors = []
+    for name, ptx in kernels:
+        wait = ptx.find("griddepcontrol.wait")
+        if "griddepcontrol.launch_dependents" not in ptx or wait < 0:
+            errors.append(f"{name}: no trigger or no wait")
+            continue
+        firsts = [i for i in (ptx.find(op) for op in ("st.global", "atom.", "red.")) if i >= 0]
+        if firsts and min(firsts) < wait:
+            errors.append(f"{name}: a global store or atomic before griddepcontrol.wait")
+    return errors
 
 
 def compile_all() -> list[str]:
@@ -154,3 +175,17 @@ def test_kernels_compile_for_sm90(pdl):
 
 if __name__ == "__main__":
     print(" ".join(sorted(set(compile_all()))))
+    if os.environ.get("VOLUNDR_PDL") == "1":
+        names = {n for n, _ in PDL_PTX}
+        errors = pdl_order_errors(PDL_PTX)
+        if len(names) < 9 or errors:  # GEMVs, norms, SwiGLU, conv, KDA decode, attention
+            sys.exit(f"PDL kernels {sorted(names)}: {errors}")
+
+
+def test_pdl_order_check_catches_a_store_before_the_wait():
+    good = "griddepcontrol.launch_dependents;\ngriddepcontrol.wait;\nld.global\nst.global"
+    bad = "griddepcontrol.launch_dependents;\nst.global.b32\ngriddepcontrol.wait;"
+    assert pdl_order_errors([("good", good)]) == []
+    assert pdl_order_errors([("bad", bad)]) == ["bad: a global store or atomic before "
+                                               "griddepcontrol.wait"]
+    assert pdl_order_errors([("none", "st.global")]) == ["none: no trigger or no wait"]
