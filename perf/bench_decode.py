@@ -8,9 +8,10 @@ eager decode step (torch.profiler) when --profile-dir is given.
 
 Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
 cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per
-engine step (EngineConfig.decode_steps), e.g. mixed:16@4; a suffix +tc puts the batch-1 mixed-bit
-GEMV on the tensor cores (volundr.kernels.quant.engine.GEMV_PATH), +tc16 also the 2-16 row GEMM
-(GEMM16_PATH), e.g. mixed:16@4+tc16.
+engine step (EngineConfig.decode_steps), e.g. mixed:16@4; a suffix picks the mixed-bit matmul
+paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles
+(the default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores
+(the default now, also without a suffix), e.g. mixed:16@4+fma.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -131,7 +132,7 @@ def graph_ms(engine: LLMEngine, bs: int, reps: int = 50) -> float | None:
 
 
 # kernel name -> category of the breakdown (first match wins)
-CATEGORIES = [("quant_matmul", r"gemv|gemm_q|_q(uant)?_|dequant"),
+CATEGORIES = [("quant_matmul", r"gemv|gemm_q|gemm_tc|_q(uant)?_|dequant"),
               ("gemm_bf16", r"gemm|gemv|cutlass|cublas|sm90_xmma|nvjet"),
               ("kda", r"kda|recurrent|chunk|conv"), ("attention", r"attn|attention|store_kv"),
               ("norm_swiglu", r"rms|norm|swiglu"), ("lookup", r"lookup"),
@@ -351,11 +352,12 @@ def main() -> None:
         import volundr.kernels.quant.engine as qengine
 
         default_paths = qengine.GEMV_PATH, qengine.GEMM16_PATH
-        if gemv_path not in ("", "tc", "tc16"):
-            raise SystemExit(f"unknown matmul path suffix +{gemv_path} (tc or tc16)")
-        if gemv_path:  # read at call time: the graphs capture these paths
-            qengine.GEMV_PATH = "tc"
-            qengine.GEMM16_PATH = "tc" if gemv_path == "tc16" else "tile"
+        paths = {"": default_paths, "tc": ("tc", "tile"), "tc16": ("tc", "tc"),
+                 "fma": ("fma", "tile")}
+        if gemv_path not in paths:
+            raise SystemExit(f"unknown matmul path suffix +{gemv_path} ({', '.join(paths)})")
+        # read at call time: the graphs capture these paths
+        qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[gemv_path]
         t = time.perf_counter()
         engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
                        int(steps or 1), args.max_model_len)

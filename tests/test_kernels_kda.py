@@ -276,7 +276,7 @@ def test_gpu_chunk(lens):
 @pytest.mark.parametrize("lens,decay", [([4096], 1.0), ([1000, 37, 3000, 64], 1.0),
                                         ([2048, 5, 300], 40.0)])
 def test_gpu_chunk_sub(lens, decay):
-    """VOLUNDR_KDA_INTRA=sub at Volundr shapes: == the fp32 reference and == the default stage 1
+    """VOLUNDR_KDA_INTRA=sub at Volundr shapes: == the fp32 reference and == the fused stage 1
     (bf16 intermediates: stage-1 outputs agree to bf16 rounding plus tf32 dots)."""
     check_chunk_sub(lens, 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=len(lens) > 1, decay=decay,
                     device="cuda", stage_tol=GPU_TOL)

@@ -650,6 +650,11 @@ def test_cuda_gemm_tc_configs_and_edges(bits):
              (5, 1000, 1152, dict(reps=4, num_warps=2)), (9, 4096, 5120, dict(reps=1, num_warps=4)),
              (13, 5120, 17408, dict(reps=2, waves=16.0))]
     for m, n, k, kw in cases:
+        bn = 32 * kw.get("reps", 2) * kw.get("num_warps", 1)
+        if bits != 4 and n % bn:  # the known ragged-N bug at 2/3 bits (gemm_tc.py): refused
+            with pytest.raises(ValueError, match="N % BN"):
+                check_gemm_tc(m, n, k, bits, 128, "cuda", _seed(), **kw)
+            continue
         for _ in range(2):
             check_gemm_tc(m, n, k, bits, 128, "cuda", _seed(), tol=1e-3, **kw)
     if bits == 4:

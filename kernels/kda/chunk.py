@@ -8,9 +8,10 @@ Two launches (plus a tiny host-built chunk map for varlen batches):
        U = u - w S,   o = qg S + Aqk U,   S = diag(2^G_last) S + kg^T U.
    The output is formed here, so the per-chunk states never go to memory unless asked for
    (`return_chunk_states`, for prefix caching).
-Stage 1 has two implementations with the same outputs: "fused" (`_chunk_kda_intra_kernel`, the
-default) and "sub" (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: 16-row sub-chunk tiles and
-fp32 scratch, opt-in while it is unmeasured). VOLUNDR_KDA_INTRA picks one at import;
+Stage 1 has two implementations with the same outputs: "sub" (`_chunk_kda_intra_sub_kernel`,
+chunk_intra_sub.py: 16-row sub-chunk tiles and fp32 scratch; the default since the H200 run of
+2026-12-03: prefill at T = 32K 8.66 vs 11.21 ms, 1.29x) and "fused" (`_chunk_kda_intra_kernel`,
+full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;
 CONFIG["intra"] can be changed at run time (tests, benchmarks).
 """
 
@@ -29,7 +30,7 @@ from volundr.kernels.kda.utils import chunk_maps, seq_bounds, token_strides
 # Launch settings, from perf/kernels/bench_kda.py --sweep on the H200 (T = 32K, H = 40).
 # fwd_BV None: 64, or 32 / 16 when that leaves too few programs. (fwd_stages=1 faulted there.)
 CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd_stages": 2,
-          "intra": os.environ.get("VOLUNDR_KDA_INTRA", "fused"),
+          "intra": os.environ.get("VOLUNDR_KDA_INTRA", "sub"),
           # sub path: channel blocks of the A phase / of the w, qg, kg phase, value block of u,
           # warps (the sm_90 compile's register-spill-free choice; unmeasured)
           # maxnreg: None lets ptxas take 226 registers (no spills; 2 CTAs/SM); 168 gives 3 CTAs/SM

@@ -1,4 +1,4 @@
-"""KDA prefill, stage 1, sub-chunk variant (opt-in: VOLUNDR_KDA_INTRA=sub; see chunk.py).
+"""KDA prefill, stage 1, sub-chunk variant (the default; VOLUNDR_KDA_INTRA=fused for the other).
 
 Produces what `_chunk_kda_intra_kernel` (chunk_intra.py) produces for the recurrence kernel (w, u,
 qg, kg, Aqk in the same head-major slots, gl = 2^G_last; equal up to fp32 / tf32 rounding, tests

@@ -2,12 +2,12 @@
 
 Strategy by the number of rows M of x, from the H200 sweep of perf/kernels/bench_quant.py
 (perf/RESULTS.md, "Mixed-bit weights"; 17408x5120 figures, CUDA-graph timings):
-  M = 1        FMA GEMV (`gemv.py`, BLOCK_M = 1), split-K: 2/3/4-bit 18.7 / 24.6 / 26.4 us
-               (bf16 cuBLAS 47.7 us);
-  2 <= M <= 16 tensor-core tile of 16 rows, one pipeline stage + register prefetch:
-               42 / 61 / 45 us (3 stages: 116 / 133 / 119 us);
-               opt-in VOLUNDR_QUANT_GEMM16=tc: `gemm_tc.py` (bf16x2 dequantisation shared by
-               all M rows, x^T as the mma B operand; not yet measured on a GPU);
+  M = 1        tensor-core GEMV (`gemv_tc.py`): 2/3/4-bit 15.1 / 18.5 / 19.8 us, 1.17-1.56x the
+               FMA GEMV (`gemv.py`, BLOCK_M = 1: 18.7 / 24.6 / 26.4 us; bf16 cuBLAS 47.7 us),
+               which small shapes keep (K or N < TC_MIN_DIM) and VOLUNDR_QUANT_GEMV=fma picks;
+  2 <= M <= 16 tensor-core GEMM (`gemm_tc.py`, bf16x2 dequantisation shared by all M rows, x^T
+               as the mma B operand): M = 16 31.5 / 37.5 / 34.1 us, 1.17-3.1x the 16-row tl.dot
+               tile (42 / 62 / 45 us; VOLUNDR_QUANT_GEMM16=tile picks it);
   M <= 128     64-row tensor-core tiles (M = 64: 97 / 131 / 106 us vs 137 / 144 / 320 us
                for dequantise + cuBLAS);
   M > 128      dequantise 8192 output features at a time to bf16, cuBLAS GEMM (`gemm.py`):
@@ -27,23 +27,27 @@ from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 # M = 1: (bn, num_warps, waves, prefetch) per bit width; rows per thread = bn / (128 num_warps)
 GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, False)}
 # M = 1 on the tensor cores (gemv_tc.py: bf16x2 dequantisation + mma, ~1 SASS instruction per
-# weight instead of ~3.5), VOLUNDR_QUANT_GEMV=tc, read once at import. H200 sweep
-# (perf/RESULTS.md): reps=2, waves=24 is the best config at every measured shape and bit width,
-# 1.17-1.56x the FMA path; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path (unmeasured).
-GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "fma")
+# weight instead of ~3.5), the default since the H200 run of 2026-12-03 (with gemm_tc below:
+# Volundr-32B decode 98 -> 122 tok/s, 16 streams 766 -> 961, same greedy ids);
+# VOLUNDR_QUANT_GEMV=fma, read once at import, goes back. reps=2, waves=24 is the best config
+# at every measured shape and bit width; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path.
+GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "tc")
 if GEMV_PATH not in ("fma", "tc"):
     raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma or tc, not {GEMV_PATH!r}")
 GEMV_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=24.0) for b in (2, 3, 4)}
 TC_MIN_DIM = 4096
 BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
 # 2 <= M <= 16 on the tensor cores with x^T as the mma's B operand (gemm_tc.py: gemv_tc's
-# bf16x2 dequantisation shared by all M rows), VOLUNDR_QUANT_GEMM16=tc, read once at import;
-# default `tile` (the tl.dot tiles above). Config not yet measured on a GPU: see
-# perf/kernels/bench_quant.py --m16-compare; same size floor as the M = 1 tc path.
-GEMM16_PATH = os.environ.get("VOLUNDR_QUANT_GEMM16", "tile")
+# bf16x2 dequantisation shared by all M rows), the default since 2026-12-03;
+# VOLUNDR_QUANT_GEMM16=tile (the tl.dot tiles) goes back. Same size floor as the M = 1 tc path;
+# 2/3-bit only when N is a multiple of GEMM16_TC_N (gemm_tc's ragged-N bug, see there).
+GEMM16_PATH = os.environ.get("VOLUNDR_QUANT_GEMM16", "tc")
 if GEMM16_PATH not in ("tile", "tc"):
     raise ValueError(f"VOLUNDR_QUANT_GEMM16 must be tile or tc, not {GEMM16_PATH!r}")
+# reps 2, waves 8: within 5% of the best config of the H200 comparison at every shape but the
+# 2/3-bit lm_head at M = 16 (1.19x / 1.40x its best, reps 4 waves 4)
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
+GEMM16_TC_N = 64  # BN of that config
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 FUSED_MAX_M = 128
 
@@ -63,7 +67,7 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=1, bn=bn,
                                    num_warps=nw, waves=waves, prefetch=prefetch)
     if (m <= MAX_M and GEMM16_PATH == "tc" and min(x.shape[1], n) >= TC_MIN_DIM
-            and gemm_tc.supported(x, bits, group_size, n)):
+            and (bits == 4 or n % GEMM16_TC_N == 0) and gemm_tc.supported(x, bits, group_size, n)):
         return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, **GEMM16_TC_CONFIG[bits])
     if m <= MAX_M:
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=MAX_M,

@@ -422,6 +422,12 @@ def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     num_groups = k // group_size
     q = 8 * num_warps
     bn = 4 * reps * q
+    if bits != 4 and n % bn and not _interpreting():
+        # Known bug: on the H200 (2026-12-03) 2/3-bit results are wrong when N is not a
+        # multiple of BN (rel. error 20-200; ragged group counts and 4-bit are right, and the
+        # interpreter twin is right), so the PTX path refuses that case (the engine never
+        # sends it, see engine.py).
+        raise ValueError(f"gemm_tc: {bits}-bit needs N % BN == 0 (N {n}, BN {bn})")
     n_tiles = triton.cdiv(n, bn)
     t_tiles = 1 if m <= 8 else 2
     if splits is None:
