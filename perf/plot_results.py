@@ -1,5 +1,6 @@
 """Plots of the recorded H200 runs (perf/results/): end-to-end decode per run and the batch-1
-GEMV comparison (FMA path vs tensor-core path). Needs matplotlib (not a project dependency).
+GEMV and 2-16 row GEMM comparisons (FMA / tl.dot tile path vs tensor-core path). Needs
+matplotlib (not a project dependency).
 
     python perf/plot_results.py
 """
@@ -16,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
 RUNS = {"run 1": "decode_run1.json", "run 3": "decode_run3.json", "run 4": "decode_run4.json",
-        "run 5": "decode_run5.json"}
+        "run 5": "decode_run5.json", "run 6": "decode_run6.json",
+        "run 6 PDL": "decode_run6_pdl.json"}
 
 
 def plot_decode(out: Path) -> None:
@@ -69,6 +71,32 @@ def plot_gemv(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_gemm16(out: Path) -> None:
+    """Best time per (shape, bits, M) of the tile path and of gemm_tc, as the speed-up."""
+    d = json.loads((HERE / "results" / "gemm16_compare_h200.json").read_text())
+    best: dict[tuple, dict[str, float]] = {}
+    for r in d["rows"]:
+        if r.get("us") is not None:
+            cur = best.setdefault((f"{r['n']}x{r['k']}", r["bits"], r["m"]), {})
+            cur[r["variant"]] = min(cur.get(r["variant"], 1e9), r["us"])
+    shapes = sorted({k[:2] for k in best})
+    ms = sorted({k[2] for k in best})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    w = 0.8 / len(ms)
+    for j, m in enumerate(ms):
+        ax.bar([i + (j - (len(ms) - 1) / 2) * w for i in range(len(shapes))],
+               [best[(s, b, m)]["tile"] / best[(s, b, m)]["tc"] for s, b in shapes], w,
+               label=f"M = {m}")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(range(len(shapes)), [f"{s}\n{b}-bit" for s, b in shapes], fontsize=7)
+    ax.set_ylabel("speed-up of gemm_tc over the tl.dot tile")
+    ax.set_title("Mixed-bit GEMM, 2 <= M <= 16, H200 (run 6)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
     plot_decode(HERE / "decode_h200.png")
     plot_gemv(HERE / "gemv_tc_h200.png")
+    plot_gemm16(HERE / "gemm16_tc_h200.png")
