@@ -47,7 +47,7 @@ if GEMM16_PATH not in ("tile", "tc"):
 # reps 2, waves 8: within 5% of the best config of the H200 comparison at every shape but the
 # 2/3-bit lm_head at M = 16 (1.19x / 1.40x its best, reps 4 waves 4)
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
-GEMM16_TC_N = 64  # BN of that config
+GEMM16_TC_N = {b: 32 * c["reps"] * c["num_warps"] for b, c in GEMM16_TC_CONFIG.items()}  # BN
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 FUSED_MAX_M = 128
 
@@ -67,7 +67,8 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=1, bn=bn,
                                    num_warps=nw, waves=waves, prefetch=prefetch)
     if (m <= MAX_M and GEMM16_PATH == "tc" and min(x.shape[1], n) >= TC_MIN_DIM
-            and (bits == 4 or n % GEMM16_TC_N == 0) and gemm_tc.supported(x, bits, group_size, n)):
+            and (bits == 4 or n % GEMM16_TC_N[bits] == 0)
+            and gemm_tc.supported(x, bits, group_size, n)):
         return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, **GEMM16_TC_CONFIG[bits])
     if m <= MAX_M:
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=MAX_M,
