@@ -14,7 +14,9 @@ Rules that keep it correct:
   wrote and before its first store or atomic: then its completion still implies its
   predecessors' (ordering stays transitive along the stream).
 Only the GEMVs are launched with PDL (`launch_pdl=ON`); the kernels that precede them trigger.
-Off by default until the end-to-end run on the H200 shows the gain (perf/RESULTS.md).
+Off by default: on the H200 (run 6, perf/RESULTS.md) it gave the same tokens but made the
+Volundr-32B decode step slower (graph 8.90 vs 7.87 ms), the GEMVs themselves included; why is
+not analysed yet.
 """
 
 from __future__ import annotations
