@@ -154,6 +154,24 @@ def check_gemm_tc(m, n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.floa
     assert err < tol, (m, n, k, bits, g, kw, err)
 
 
+def check_graph_replay(kernel, m: int, bits: int) -> None:
+    """kernel(x [m, 5120], ...) captured in a CUDA graph and replayed twice (the split-K
+    counters are left at zero between replays) == naive."""
+    qa, qb, sz = _layer(5120, 5120, bits, 128, "cuda", _seed())
+    x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
+    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
+    out = torch.empty(m, 5120, device="cuda", dtype=torch.bfloat16)
+    kernel(x, qa, qb, sz, bits, 128, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(x, qa, qb, sz, bits, 128, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    graph.replay()
+    assert _rel(out, ref) < 8e-3
+
+
 def run_cpu(group: str) -> None:
     if group == "gemm_tc":  # the pure-Triton twin of gemm_tc's inline-PTX blocks
         from volundr.kernels.quant import engine
@@ -591,29 +609,19 @@ def test_cuda_gemv_tc_configs_and_edges(bits):
         check_tc(512, 1024, bits, 64, "cuda", _seed(), tol=1e-3, reps=2)
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
-    qa, qb, sz = _layer(5120, 5120, bits, 128, "cuda", _seed())
-    x = torch.randn(1, 5120, device="cuda", dtype=torch.bfloat16)
-    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
-    out = torch.empty(1, 5120, device="cuda", dtype=torch.bfloat16)
-    gemv_tc(x, qa, qb, sz, bits, 128, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv_tc(x, qa, qb, sz, bits, 128, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
-    graph.replay()
-    assert _rel(out, ref) < 8e-3
+    check_graph_replay(gemv_tc, 1, bits)
 
 
 @gpu
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_cuda_engine_tc_path(bits, monkeypatch):
+@pytest.mark.parametrize("path,ms", [("GEMV_PATH", (1, 4)), ("GEMM16_PATH", (1, 2, 4, 16, 17))])
+def test_cuda_engine_tc_path(bits, path, ms, monkeypatch):
+    """The engine's dispatch with the tensor-core GEMV (M = 1) / GEMM16 (2 <= M <= 16) on."""
     from volundr.kernels.quant import engine
 
-    monkeypatch.setattr(engine, "GEMV_PATH", "tc")
+    monkeypatch.setattr(engine, path, "tc")
     qa, qb, sz = _layer(17408, 5120, bits, 128, "cuda", _seed())
-    for m in (1, 4):
+    for m in ms:
         x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
         ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
         assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3, m
@@ -661,32 +669,9 @@ def test_cuda_gemm_tc_configs_and_edges(bits):
         check_gemm_tc(7, 512, 1024, bits, 64, "cuda", _seed(), tol=1e-3, reps=2)
     from volundr.kernels.quant.gemm_tc import gemm_tc
 
-    qa, qb, sz = _layer(5120, 5120, bits, 128, "cuda", _seed())
-    x = torch.randn(16, 5120, device="cuda", dtype=torch.bfloat16)
-    ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
-    out = torch.empty(16, 5120, device="cuda", dtype=torch.bfloat16)
-    gemm_tc(x, qa, qb, sz, bits, 128, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemm_tc(x, qa, qb, sz, bits, 128, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
-    graph.replay()
-    assert _rel(out, ref) < 8e-3
+    check_graph_replay(gemm_tc, 16, bits)
 
 
-@gpu
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_cuda_engine_gemm16_tc_path(bits, monkeypatch):
-    from volundr.kernels.quant import engine
-
-    monkeypatch.setattr(engine, "GEMM16_PATH", "tc")
-    qa, qb, sz = _layer(17408, 5120, bits, 128, "cuda", _seed())
-    for m in (1, 2, 4, 16, 17):
-        x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
-        ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 5120)
-        assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3, m
 
 
 @gpu

@@ -48,10 +48,12 @@ from volundr.kernels.quant.gemv_tc import (
     _dequant_ptx,
     _hi,
     _interpreting,
+    _lane_rows,
     _ld,
     _lo,
     _mma,
     _plan_consts,
+    _xsum_a,
     _xsum_slot,
     asm_pairs,
     n_pair_tensors,
@@ -264,13 +266,7 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     NS: tl.constexpr = WA // 4  # steps per group (lane c: word rows c NS .. c NS + NS - 1)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # dims (c, quad, rep, j): Triton orders the layout's dims (3, 0, 1, 2) (gemv_tc)
-    c4 = tl.arange(0, 4)[:, None, None, None]
-    q4 = tl.arange(0, Q)[None, :, None, None]
-    l4 = tl.arange(0, L)[None, None, :, None]
-    j4 = tl.arange(0, 4)[None, None, None, :]
-    n = pid_n * BN + 4 * (Q * l4 + q4) + j4  # [1, Q, L, 4]: 4 adjacent rows per lane
-    nmask = n < N
+    c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)  # fragment layout (gemv_tc)
     if EVEN:  # N % BN == 0: no masks on the words (a masked load also zeroes registers)
         wmask = c4 >= 0
     else:
@@ -282,13 +278,7 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     a3 = zero
     ka = ()
     if USE_ASM:
-        # constant A of the X/B mma (xsum_consts), made opaque so that it is materialised once
-        for kr in tl.static_range(4):
-            v = tl.where(j4 == 0, XS[0][kr], tl.where(j4 == 1, XS[1][kr],
-                                                      tl.where(j4 == 2, XS[2][kr], XS[3][kr])))
-            v = v + tl.zeros([4, Q, 1, 4], dtype=tl.int32)
-            ka = ka + (tl.inline_asm_elementwise(ASM_KEEP[kr], "=r,r", [v], dtype=tl.int32,
-                                                 is_pure=True, pack=1),)
+        ka = _xsum_a(j4, XS, ASM_KEEP, Q)
     # 3-bit: lanes c >= 2 hold word rows of the group's second half (their high bits sit one
     # position lower in the B word): per-lane shift amounts for the even / odd slot merges
     hsec = (c4 >= 2).to(tl.int32) + tl.zeros([4, Q, 1, 4], dtype=tl.int32)
@@ -430,11 +420,7 @@ def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         raise ValueError(f"gemm_tc: {bits}-bit needs N % BN == 0 (N {n}, BN {bn})")
     n_tiles = triton.cdiv(n, bn)
     t_tiles = 1 if m <= 8 else 2
-    if splits is None:
-        gps, ns = split_k(n_tiles, num_groups, x.device, waves)
-    else:
-        gps = triton.cdiv(num_groups, splits)
-        ns = triton.cdiv(num_groups, gps)
+    gps, ns = split_k(n_tiles, num_groups, x.device, waves, splits)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.is_contiguous()

@@ -255,10 +255,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k(n_tiles: int, num_groups: int, device: torch.device, waves: float) -> tuple[int, int]:
-    """(groups_per_split, num_splits) giving about `waves` programs per SM."""
-    want = max(1, int(waves * _num_sms(device)) // max(n_tiles, 1))
-    gps = triton.cdiv(num_groups, min(num_groups, want))
+def split_k(n_tiles: int, num_groups: int, device: torch.device, waves: float,
+            splits: int | None = None) -> tuple[int, int]:
+    """(groups_per_split, num_splits) giving about `waves` programs per SM, or about `splits`
+    splits when given."""
+    if splits is None:
+        splits = max(1, int(waves * _num_sms(device)) // max(n_tiles, 1))
+    gps = triton.cdiv(num_groups, min(num_groups, splits))
     return gps, triton.cdiv(num_groups, gps)
 
 
@@ -282,11 +285,7 @@ def quant_matmul_triton(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz:
     wa = group_size * pa // 32
     num_groups = k // group_size
     n_tiles, m_tiles = triton.cdiv(n, bn), triton.cdiv(m, block_m)
-    if splits is None:
-        gps, ns = split_k(n_tiles * m_tiles, num_groups, x.device, waves)
-    else:
-        gps = triton.cdiv(num_groups, splits)
-        ns = triton.cdiv(num_groups, gps)
+    gps, ns = split_k(n_tiles * m_tiles, num_groups, x.device, waves, splits)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if ns > 1:

@@ -303,6 +303,34 @@ def _prefetch_rows(ptr, row0, row1, col0, N, PF_ASM: tl.constexpr):
                                   pack=1)
 
 
+@triton.jit
+def _lane_rows(pid_n, N, BN: tl.constexpr, Q: tl.constexpr, L: tl.constexpr):
+    """Index tensors of the fragment layout, dims (c, quad, rep, j): with contiguity only along
+    j, Triton orders the layout's dims (3, 0, 1, 2), so lane = 4 quad + c as the mma fragments
+    need (see the module docstring). Returns c4, q4, j4 and the output rows n [1, Q, L, 4] (4
+    adjacent rows per lane) with their mask."""
+    c4 = tl.arange(0, 4)[:, None, None, None]
+    q4 = tl.arange(0, Q)[None, :, None, None]
+    l4 = tl.arange(0, L)[None, None, :, None]
+    j4 = tl.arange(0, 4)[None, None, None, :]
+    n = pid_n * BN + 4 * (Q * l4 + q4) + j4
+    return c4, q4, j4, n, n < N
+
+
+@triton.jit
+def _xsum_a(j4, XS: tl.constexpr, ASM_KEEP: tl.constexpr, Q: tl.constexpr):
+    """The constant A operand of the X/B mma (xsum_consts), made opaque so that it is
+    materialised once: 4 int32 tensors [4, Q, 1, 4]."""
+    ka = ()
+    for kr in tl.static_range(4):
+        v = tl.where(j4 == 0, XS[0][kr], tl.where(j4 == 1, XS[1][kr],
+                                                  tl.where(j4 == 2, XS[2][kr], XS[3][kr])))
+        v = v + tl.zeros([4, Q, 1, 4], dtype=tl.int32)
+        ka = ka + (tl.inline_asm_elementwise(ASM_KEEP[kr], "=r,r", [v], dtype=tl.int32,
+                                             is_pure=True, pack=1),)
+    return ka
+
+
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
 def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -332,26 +360,13 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             _prefetch_rows(qb_ptr, set0 * 2 * WA, set1 * 2 * WA, pid_n * BN, N, PF_ASM)
         _prefetch_rows(sz_ptr, set0 * 4, set1 * 4, pid_n * BN, N, PF_ASM)
     pdl.wait()  # x and the split-K workspace come from earlier kernels
-    # dims (c, quad, rep, j): with contiguity only along j, Triton orders the layout's dims
-    # (3, 0, 1, 2), so lane = 4 quad + c as the mma fragments need (see the module docstring)
-    c4 = tl.arange(0, 4)[:, None, None, None]
-    q4 = tl.arange(0, Q)[None, :, None, None]
-    l4 = tl.arange(0, L)[None, None, :, None]
-    j4 = tl.arange(0, 4)[None, None, None, :]
-    n = pid_n * BN + 4 * (Q * l4 + q4) + j4  # [1, Q, L, 4]: 4 adjacent rows per lane
-    nmask = n < N
+    c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)
     # mma B operand: lane (quad g, c) supplies column g, which must hold only group c's x
     sel = ((q4 % 8) // 2) == c4  # [4, Q, 1, 1]
     acc = tl.zeros([4, Q, L, 4], dtype=tl.float32)
     ka = ()
     if USE_ASM:
-        # constant A of the X/B mma (xsum_consts), made opaque so that it is materialised once
-        for kr in tl.static_range(4):
-            v = tl.where(j4 == 0, XS[0][kr], tl.where(j4 == 1, XS[1][kr],
-                                                      tl.where(j4 == 2, XS[2][kr], XS[3][kr])))
-            v = v + tl.zeros([4, Q, 1, 4], dtype=tl.int32)
-            ka = ka + (tl.inline_asm_elementwise(ASM_KEEP[kr], "=r,r", [v], dtype=tl.int32,
-                                                 is_pure=True, pack=1),)
+        ka = _xsum_a(j4, XS, ASM_KEEP, Q)
     for st in range(set0, set1):
         grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
         if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
@@ -476,11 +491,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     q = 8 * num_warps
     bn = 4 * reps * q
     n_tiles = triton.cdiv(n, bn)
-    if splits is None:
-        sps, ns = split_k(n_tiles, n_sets, x.device, waves)
-    else:
-        sps = triton.cdiv(n_sets, splits)
-        ns = triton.cdiv(n_sets, sps)
+    sps, ns = split_k(n_tiles, n_sets, x.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if ns > 1:

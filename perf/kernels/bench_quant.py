@@ -225,6 +225,44 @@ def cpu_time(fn) -> float:
     return (time.perf_counter() - t) * 1e6
 
 
+def _compare_header(smoke: bool) -> dict:
+    return {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "copy_gbs": float("nan") if smoke else copy_bandwidth(), "rows": []}
+
+
+def _check_then_time(rec: dict, fn, y: torch.Tensor, ref: torch.Tensor, smoke: bool,
+                     copies: int, rep: int, copy_gbs: float) -> None:
+    """One variant into rec: first call (compiles) checked against ref, then timed over the
+    weight copies; a wrong result or an exception is recorded instead of a time."""
+    try:
+        y.fill_(float("nan"))
+        t1 = time.time()
+        fn(0)  # compiles on first use
+        if not smoke:
+            torch.cuda.synchronize()
+        rec["first_call_s"] = time.time() - t1
+        rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+        if not rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
+            rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
+        else:
+            rec["us"] = cpu_time(fn) if smoke else time_graph(fn, copies, rep=rep)
+            rec["gbs"] = rec["bytes"] / (rec["us"] * 1e-6) / 1e9
+            rec["frac_copy"] = rec["gbs"] / copy_gbs
+    except Exception as e:  # record, go on with the other variants
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _save_compare(data: dict, out: str, name: str, t0: float) -> int:
+    data["seconds"] = time.time() - t0
+    path = out if out.endswith(".json") else os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    bad = [r for r in data["rows"] if "error" in r]
+    print(f"done in {data['seconds']:.0f} s, {len(bad)} variant(s) failed -> {path}")
+    return 1 if bad else 0
+
+
 def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
     """M = 1 only: old (FMA) vs new (tensor-core) GEMV at SHAPES x bits 2/3/4, one JSON. Each
     variant is checked against the naive reference first; a wrong one is recorded, not timed.
@@ -233,9 +271,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
 
     dev = "cpu" if smoke else "cuda"
     t0 = time.time()
-    data = {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "copy_gbs": float("nan") if smoke else copy_bandwidth(), "rows": []}
+    data = _compare_header(smoke)
     rows = data["rows"]
     for n, k in (SMOKE_SHAPES if smoke else SHAPES):
         for bits in (2, 3, 4):
@@ -257,22 +293,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
                         quant_matmul_triton(x, *layers[c], bits, 128, out=y, block_m=1, **kw)
                     else:
                         gemv_tc(x, *layers[c], bits, 128, out=y, **kw)
-                try:
-                    y.fill_(float("nan"))
-                    t1 = time.time()
-                    fn(0)  # compiles on first use
-                    if not smoke:
-                        torch.cuda.synchronize()
-                    rec["first_call_s"] = time.time() - t1
-                    rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                    if not rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
-                        rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
-                    else:
-                        rec["us"] = cpu_time(fn) if smoke else time_graph(fn, copies, rep=40)
-                        rec["gbs"] = nbytes / (rec["us"] * 1e-6) / 1e9
-                        rec["frac_copy"] = rec["gbs"] / data["copy_gbs"]
-                except Exception as e:  # record, go on with the other variants
-                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                _check_then_time(rec, fn, y, ref, smoke, copies, 40, data["copy_gbs"])
                 rows.append(rec)
                 cfg = " ".join(f"{a}={b}" for a, b in kw.items())
                 res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}% copy" if "us" in rec
@@ -288,13 +309,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
             if old and new:
                 print(f"  {n}x{k} {bits}b: fma {old[0]:.2f}  tc {min(new):.2f}  "
                       f"({old[0] / min(new):.2f}x)")
-    data["seconds"] = time.time() - t0
-    path = out if out.endswith(".json") else os.path.join(out, "gemv_compare.json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    bad = [r for r in rows if "error" in r]
-    print(f"done in {data['seconds']:.0f} s, {len(bad)} variant(s) failed -> {path}")
-    return 1 if bad else 0
+    return _save_compare(data, out, "gemv_compare.json", t0)
 
 
 # --m16-compare: tensor-core GEMM configs (reps, warps, waves): BN = 64 rows per 1-warp program
@@ -313,9 +328,7 @@ def m16_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
 
     dev = "cpu" if smoke else "cuda"
     t0 = time.time()
-    data = {"device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "copy_gbs": float("nan") if smoke else copy_bandwidth(), "rows": []}
+    data = _compare_header(smoke)
     rows = data["rows"]
     shapes = M16_SMOKE_SHAPES if smoke else SHAPES
     ms = [3, 16] if smoke else M16_MS
@@ -342,22 +355,7 @@ def m16_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
                                                 **kw)
                         else:
                             gemm_tc(x, *layers[c], bits, 128, out=y, **kw)
-                    try:
-                        y.fill_(float("nan"))
-                        t1 = time.time()
-                        fn(0)  # compiles on first use
-                        if not smoke:
-                            torch.cuda.synchronize()
-                        rec["first_call_s"] = time.time() - t1
-                        rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                        if not rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
-                            rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
-                        else:
-                            rec["us"] = cpu_time(fn) if smoke else time_graph(fn, copies, rep=20)
-                            rec["gbs"] = nbytes / (rec["us"] * 1e-6) / 1e9
-                            rec["frac_copy"] = rec["gbs"] / data["copy_gbs"]
-                    except Exception as e:  # record, go on with the other variants
-                        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    _check_then_time(rec, fn, y, ref, smoke, copies, 20, data["copy_gbs"])
                     rows.append(rec)
                     cfg = " ".join(f"{a}={b}" for a, b in kw.items() if a != "prefetch")
                     res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}% copy"
@@ -377,13 +375,7 @@ def m16_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
                 if old and new:
                     line.append(f"M={m}: {old[0]:.1f} -> {min(new):.1f} ({old[0] / min(new):.2f}x)")
             print(f"  {n}x{k} {bits}b: " + "  ".join(line))
-    data["seconds"] = time.time() - t0
-    path = out if out.endswith(".json") else os.path.join(out, "gemm16_compare.json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    bad = [r for r in rows if "error" in r]
-    print(f"done in {data['seconds']:.0f} s, {len(bad)} variant(s) failed -> {path}")
-    return 1 if bad else 0
+    return _save_compare(data, out, "gemm16_compare.json", t0)
 
 
 def main(argv=None) -> int:
