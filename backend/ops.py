@@ -8,6 +8,7 @@ Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
   kda_mixer   q, k [T, H, K] (pre-L2-norm), v [T, H, V], gate logits [T, H, K], beta logits [T, H],
               state [slots, H, K, V] fp32 updated in place at `slot_ids` [N].
   causal_conv x [T, C], weight [C, W], conv_state [slots, C, W - 1] updated in place.
+  kda_decode  a decode step (T == N) of both: qkv [T, 3HK] raw, one launch on CUDA.
   attention   q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D].
   lookups     ids [T, m] long (the n-gram window of each token, the token last); host tables.
 """
@@ -81,6 +82,36 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
     y = naive_causal_conv1d(x, weight, tails, cu_seqlens, activation)
     conv_state[slot_ids] = tails
     return y
+
+
+def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+               g_raw: torch.Tensor, beta_raw: torch.Tensor, state: torch.Tensor,
+               slot_ids: torch.Tensor, scale: float, A_log: torch.Tensor,
+               dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """A KDA layer's decode step (one token per sequence, T == N): `causal_conv` (+ SiLU) over the
+    raw q|k|v projections qkv [T, 3HK] (q, k, v each [H, K] per token) with conv_state, then
+    `kda_mixer` with gate logits g_raw [T, H, K] and beta logits [T, H]; both states updated in
+    place at slot_ids [T]. A negative slot id is a padding row: no state touched, and its o
+    row is not to be used (0 here and from the fused kernel). Returns o [T, H, V]. On CUDA one
+    kernel does all of it at small batch (kernels/kda/engine.py)."""
+    fast = _fast(qkv, "kda")
+    if fast is not None:
+        return fast.kda_decode(qkv, conv_weight, conv_state, g_raw, beta_raw, state, slot_ids,
+                               scale, A_log, dt_bias)
+    T, (_, H, K), V = qkv.shape[0], g_raw.shape, state.shape[-1]
+    live = slot_ids >= 0
+    if not bool(live.all()):  # padding rows: as the kernel, skip them
+        o = qkv.new_zeros(T, H, V)
+        i = live.nonzero().squeeze(1)
+        o[i] = kda_decode(qkv[i], conv_weight, conv_state, g_raw[i], beta_raw[i], state,
+                          slot_ids[i], scale, A_log, dt_bias)
+        return o
+    cu = torch.arange(T + 1, dtype=torch.int32, device=qkv.device)
+    y = causal_conv(qkv, conv_weight, conv_state, slot_ids, cu, activation="silu")
+    q, k = y[:, :H * K].view(T, H, K), y[:, H * K:2 * H * K].view(T, H, K)
+    v = y[:, 2 * H * K:].view(T, H, V)
+    return kda_mixer(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, slot_ids, cu,
+                     list(range(T + 1)), scale)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

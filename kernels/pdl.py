@@ -30,6 +30,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # no PTX under the CPU interpreter: there both helpers compile to nothing
 ON = tl.constexpr(os.environ.get("VOLUNDR_PDL") == "1"
                   and os.environ.get("TRITON_INTERPRET") != "1")
+# With PDL, the tensor-core GEMVs also prefetch their weights into L2 before waiting;
+# VOLUNDR_PDL_PREFETCH=0 keeps only the early launch (to tell the two effects apart: the
+# prefetches compete with the running kernel for the same HBM bandwidth)
+PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "1") == "1"
 
 
 @triton.jit

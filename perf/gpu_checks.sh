@@ -5,7 +5,8 @@
 #     PART=bench bash perf/gpu_checks.sh   # kernel comparisons + end-to-end decode (~6 min)
 # env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
-#      BENCH_TIMEOUT; PDL_TESTS / PDL_VARIANTS: tests / variants run again with VOLUNDR_PDL=1
+#      BENCH_TIMEOUT; TC_CONFIGS / TC16_CONFIGS ("reps,warps,waves;...": the tensor-core configs
+#      that gemv / gemm16 compare; GEMV_TIMEOUT, GEMM16_TIMEOUT); PDL_TESTS / PDL_VARIANTS: tests / variants run again with VOLUNDR_PDL=1
 #      (programmatic dependent launch, kernels/pdl.py; decode_pdl.json).
 # Output under $OUT, few files (the device returns about 8): env.txt, gpu_tests.log (-v: one
 # line per test, readable even when a timeout cuts the run), bench.log, gemv_compare.json,
@@ -43,12 +44,14 @@ fi
 if [ "$PART" != tests ]; then
   COMPARE=${COMPARE-gemv,gemm16,kda}
   if [[ ",$COMPARE," == *,gemv,* ]]; then  # batch 1: FMA path vs tensor cores
-    timeout 100 python3 perf/kernels/bench_quant.py --m1-compare \
-      --out "$OUT/gemv_compare.json" 2>&1 | tail -16 >> "$OUT/bench.log"
+    timeout "${GEMV_TIMEOUT:-100}" python3 perf/kernels/bench_quant.py --m1-compare \
+      --tc-configs "${TC_CONFIGS:-}" --out "$OUT/gemv_compare.json" 2>&1 | tail -22 \
+      >> "$OUT/bench.log"
   fi
   if [[ ",$COMPARE," == *,gemm16,* ]]; then  # batch 2-16: tile path vs tensor cores
-    timeout 120 python3 perf/kernels/bench_quant.py --m16-compare \
-      --out "$OUT/gemm16_compare.json" 2>&1 | tail -30 >> "$OUT/bench.log"
+    timeout "${GEMM16_TIMEOUT:-120}" python3 perf/kernels/bench_quant.py --m16-compare \
+      --tc-configs "${TC16_CONFIGS:-}" --out "$OUT/gemm16_compare.json" 2>&1 | tail -30 \
+      >> "$OUT/bench.log"
   fi
   if [[ ",$COMPARE," == *,kda,* ]]; then  # KDA prefill chunk-local stage: current vs sub vs fla
     timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \

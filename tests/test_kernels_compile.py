@@ -138,6 +138,15 @@ def compile_all() -> list[str]:
         g, beta = torch.randn(t, H, K, dtype=bf), torch.randn(t, H, dtype=bf)
         kda.kda_mixer(q, k, v, g, beta, state, slots, cu, cu_list, K ** -0.5,
                       A_log=torch.zeros(H, dtype=bf), dt_bias=torch.zeros(H * K, dtype=bf))
+    # the decode step in one launch (conv + KDA): qkv a column slice of a wider projection,
+    # beta a column slice
+    for n in (3, 16):
+        wide = torch.randn(n, 3 * H * K + 64, dtype=bf)
+        kda.kda_decode(wide[:, :3 * H * K], torch.randn(3 * H * K, 4, dtype=bf),
+                       torch.zeros(16, 3 * H * K, 3, dtype=bf), torch.randn(n, H, K, dtype=bf),
+                       torch.randn(n, H + 8, dtype=bf)[:, 8:], torch.zeros(16, H, K, K),
+                       torch.arange(n), K ** -0.5, torch.zeros(H, dtype=bf),
+                       torch.zeros(H * K, dtype=bf))
 
     # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
     for bits in (2, 3, 4):
@@ -151,6 +160,11 @@ def compile_all() -> list[str]:
         quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM = "tc", "tc", 0
         for m in (1, 4, 16):  # the opt-in tensor-core GEMV (M = 1) and GEMM (2 <= M <= 16)
             quant.quant_matmul(torch.randn(m, 1024, dtype=bf), qa, qb, sz, bits, 128)
+            # with the MLP's SwiGLU in the x loads (x = the gate_up output)
+            quant.quant_matmul(torch.randn(m, 2048, dtype=bf), qa, qb, sz, bits, 128,
+                               swiglu=True)
+        for m in (1, 4):  # two stacked linears on two inputs (KDA's f_b, g_b)
+            quant.quant_matmul_grouped(torch.randn(m, 2, 1024, dtype=bf), qa, qb, sz, bits, 128)
         quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM = paths
     return compiled
 
@@ -167,6 +181,7 @@ def test_kernels_compile_for_sm90(pdl):
     expected = {"_rms_norm_kernel", "_rms_norm_gated_kernel", "_swiglu_kernel", "_lookup_kernel",
                 "_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
                 "_prefill_kernel", "_fused_recurrent_kda_kernel", "_conv_seq_kernel",
+                "_kda_decode_kernel",
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
                 "_chunk_kda_intra_sub_kernel", "quant_matmul_kernel",
                 "dequant_kernel", "gemv_tc_kernel"}
@@ -178,7 +193,7 @@ if __name__ == "__main__":
     if os.environ.get("VOLUNDR_PDL") == "1":
         names = {n for n, _ in PDL_PTX}
         errors = pdl_order_errors(PDL_PTX)
-        if len(names) < 9 or errors:  # GEMVs, norms, SwiGLU, conv, KDA decode, attention
+        if len(names) < 10 or errors:  # GEMVs, norms, SwiGLU, conv, KDA decode, attention
             sys.exit(f"PDL kernels {sorted(names)}: {errors}")
 
 

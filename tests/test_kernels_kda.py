@@ -200,6 +200,105 @@ def check_engine(device="cpu", dtype=torch.float32, H=2, K=32, tol=1e-4):
         assert rel(y, y_ref) < tol and rel(st[x["idx"]], tails) < tol, f"engine.causal_conv {lens}"
 
 
+def make_decode(N, H, K, V, W, dtype, device, slots, pad=(), extra_cols=0):
+    """One decode step's inputs in the engine's layouts: qkv a column slice of a wider projection
+    (row stride C + extra_cols), beta a column slice, rows in `pad` padding (slot -1)."""
+    C = 2 * H * K + H * V
+    wide = torch.randn(N, C + extra_cols, dtype=dtype, device=device)
+    bwide = torch.randn(N, H + 3, dtype=dtype, device=device)
+    ids = torch.randperm(slots, device=device)[:N]
+    ids[list(pad)] = -1
+    return dict(qkv=wide[:, extra_cols // 2:extra_cols // 2 + C],
+                g=torch.randn(N, H, K, dtype=dtype, device=device), beta=bwide[:, 1:1 + H],
+                ids=ids)
+
+
+def decode_reference(x, w, cs, pool, A_log, dt_bias, H, K, V, scale):
+    """Naive conv then naive recurrent KDA on the live rows; cs and pool updated in place."""
+    live = (x["ids"] >= 0).nonzero().squeeze(1)
+    ids, n = x["ids"][live], live.numel()
+    cu = torch.arange(n + 1, dtype=torch.int32, device=ids.device)
+    tails = cs[ids].clone()
+    y = naive_causal_conv1d(x["qkv"][live], w, tails, cu, "silu")
+    cs[ids] = tails
+    q, k = y[:, :H * K].view(1, n, H, K), y[:, H * K:2 * H * K].view(1, n, H, K)
+    v = y[:, 2 * H * K:].view(1, n, H, V)
+    g = kda_gate(x["g"][live], A_log, dt_bias).unsqueeze(0)
+    beta = x["beta"][live].float().sigmoid().unsqueeze(0)
+    o, final = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=pool[ids],
+                                   output_final_state=True, cu_seqlens=cu,
+                                   use_qk_l2norm_in_kernel=True)
+    pool[ids] = final
+    return live, o[0]
+
+
+def check_decode(Ns, H, K, V, W, dtype, tol, device="cpu", steps=3, extra_cols=0, pad=(),
+                 BV=None, naive=True, via_engine=False):
+    """kda_decode (conv + KDA in one launch) == engine.causal_conv + engine.kda_mixer (the two
+    kernels) == the naive reference, over consecutive decode steps (so the carried conv tails
+    and states are checked, not only one step's output); untouched slots stay untouched and the
+    arrival counters are back at zero after every launch. via_engine: engine.kda_decode (which
+    takes the two kernels for convs wider than 4)."""
+    from volundr.kernels.kda import decode, engine
+    slots = max(Ns) + 3
+    C, scale = 2 * H * K + H * V, K ** -0.5
+    w = torch.randn(C, W, dtype=dtype, device=device)
+    A_log = torch.rand(H, device=device) * 2 - 0.5
+    dt_bias = torch.randn(H * K, device=device) * 0.5
+    cs0 = torch.randn(slots, C, W - 1, dtype=dtype, device=device)
+    pool0 = torch.randn(slots, H, K, V, device=device)
+    for N in Ns:
+        fused = [cs0.clone(), pool0.clone()]
+        split = [cs0.clone(), pool0.clone()]
+        ref = [cs0.clone(), pool0.clone()]
+        x = make_decode(N, H, K, V, W, dtype, device, slots, pad if N > max(pad, default=-1)
+                        else (), extra_cols)
+        for step in range(steps):
+            if step:  # new token, same sequences
+                x = dict(make_decode(N, H, K, V, W, dtype, device, slots, (), extra_cols),
+                         ids=x["ids"])
+            args = (x["qkv"], w, fused[0], x["g"], x["beta"], fused[1], x["ids"], scale, A_log,
+                    dt_bias)
+            if via_engine:
+                o = engine.kda_decode(*args)
+            else:
+                o = decode.kda_decode(*args, BV=BV)
+                assert not decode._COUNTERS[(o.device.type, o.device.index)].any(), "counters"
+            cu = torch.arange(N + 1, dtype=torch.int32, device=device)
+            y = engine.causal_conv(x["qkv"], w, split[0], x["ids"], cu)
+            q, k = y[:, :H * K].view(N, H, K), y[:, H * K:2 * H * K].view(N, H, K)
+            o2 = engine.kda_mixer(q, k, y[:, 2 * H * K:].view(N, H, V), x["g"], x["beta"],
+                                  split[1], x["ids"], cu, list(range(N + 1)), scale,
+                                  A_log=A_log, dt_bias=dt_bias)
+            live = (x["ids"] >= 0).nonzero().squeeze(1)
+            what = f"decode N={N} step {step} {dtype}"
+            assert torch.equal(fused[0], split[0]), f"{what}: conv state != two kernels"
+            errs = [rel(o[live], o2[live]), rel(fused[1], split[1])]
+            assert max(errs) < tol, f"{what} vs two kernels: {errs}"
+            if not via_engine:  # (the two kernels leave padding rows' o undefined)
+                assert not o[x["ids"] < 0].any(), f"{what}: padding rows' o is not 0"
+            if naive:
+                _, o3 = decode_reference(x, w, ref[0], ref[1], A_log, dt_bias, H, K, V, scale)
+                assert torch.equal(fused[0], ref[0]), f"{what}: conv state != naive"
+                errs = [rel(o[live], o3), rel(fused[1], ref[1])]
+                assert max(errs) < tol, f"{what} vs naive: {errs}"
+
+
+def check_ops_decode(N=4, H=2, K=16, V=16, W=4, pad=(1,)):
+    """ops.kda_decode's CPU path (the naive composition) == the reference, padding skipped."""
+    from volundr import ops
+    slots, C, scale = N + 3, 2 * H * K + H * V, K ** -0.5
+    w = torch.randn(C, W)
+    A_log, dt_bias = torch.rand(H), torch.randn(H * K) * 0.5
+    cs, pool = torch.randn(slots, C, W - 1), torch.randn(slots, H, K, V)
+    cs2, pool2 = cs.clone(), pool.clone()
+    x = make_decode(N, H, K, V, W, torch.float32, "cpu", slots, pad, extra_cols=6)
+    o = ops.kda_decode(x["qkv"], w, cs, x["g"], x["beta"], pool, x["ids"], scale, A_log, dt_bias)
+    live, o_ref = decode_reference(x, w, cs2, pool2, A_log, dt_bias, H, K, V, scale)
+    assert torch.equal(cs, cs2) and rel(pool, pool2) < 1e-6 and rel(o[live], o_ref) < 1e-6
+    assert not o[x["ids"] < 0].any()
+
+
 f32, f16 = torch.float32, torch.float16
 INTERPRETER_CASES = {
     "recurrent_varlen_gate_fp32": lambda: check_recurrent([3, 1, 5], 2, 32, 32, f32, 1e-5, True),
@@ -222,6 +321,17 @@ INTERPRETER_CASES = {
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
     "engine_ops": check_engine,
+    # conv + KDA decode in one launch: batches 1..6, a padding row, a strided qkv, 2 or 4
+    # V-block programs per head (BV < V), W = 3
+    "decode_fused_fp32": lambda: check_decode([1, 3, 6], 4, 32, 32, 4, f32, 1e-5, pad=(2,),
+                                              extra_cols=10, BV=8),
+    "decode_fused_fp16_bv8_v16": lambda: check_decode([2, 5], 4, 32, 16, 4, f16, 5e-3, pad=(0,),
+                                                      extra_cols=6, BV=8),
+    "decode_fused_w3_k24": lambda: check_decode([3], 2, 24, 32, 3, f32, 1e-5, BV=16),
+    # engine.kda_decode: fused (W = 2), the two kernels for W = 5 and above DECODE_FUSED_MAX_T
+    "decode_engine_dispatch": lambda: [check_decode([n], 2, 16, 16, w, f32, 1e-5, steps=2,
+                                                    via_engine=True, pad=(1,))
+                                       for n, w in ((3, 2), (3, 5), (17, 4))],
 }
 
 
@@ -296,6 +406,62 @@ def test_gpu_conv_and_engine():
     check_conv([1] * 64, 15360, 4, True, "cuda", bf16)
     check_conv([1000, 3, 50], 15360, 4, True, "cuda", bf16)
     check_engine("cuda", bf16, H=40, K=128, tol=GPU_TOL)
+
+
+def test_ops_kda_decode_cpu():
+    check_ops_decode()
+
+
+@cuda
+@pytest.mark.parametrize("N", [1, 16])
+@pytest.mark.parametrize("cfg", [{}, {"BV": 16}, {"num_warps": 4}])
+def test_gpu_kda_decode(N, cfg):
+    """Volundr shapes: the fused decode == the two kernels (and the naive reference), over
+    several steps; at batch 16 with padding rows and a strided qkv; per launch setting."""
+    from volundr.kernels.kda import decode
+    saved = dict(decode.CONFIG)
+    try:
+        decode.CONFIG.update(cfg)
+        check_decode([N], 40, 128, 128, 4, bf16, GPU_TOL, device="cuda", steps=3,
+                     pad=(3, 9) if N > 1 else (), extra_cols=256 if N > 1 else 0)
+    finally:
+        decode.CONFIG.update(saved)
+
+
+@cuda
+def test_gpu_kda_decode_graph():
+    """Captured in a CUDA graph: replays == eager calls, bitwise (deterministic), both states."""
+    from volundr.kernels.kda import decode
+    N, H, K, W, slots = 8, 40, 128, 4, 12
+    C = 3 * H * K
+    w = torch.randn(C, W, dtype=bf16, device="cuda")
+    A_log, dt_bias = torch.rand(H, device="cuda"), torch.randn(H * K, device="cuda") * 0.5
+    cs = torch.randn(slots, C, W - 1, dtype=bf16, device="cuda")
+    pool = torch.randn(slots, H, K, K, device="cuda")
+    x = make_decode(N, H, K, K, W, bf16, "cuda", slots, (5,), extra_cols=64)
+    static = {k: v.clone() for k, v in x.items()}
+    cs_e, pool_e = cs.clone(), pool.clone()
+
+    def step():
+        return decode.kda_decode(static["qkv"], w, cs, static["g"], static["beta"], pool,
+                                 static["ids"], K ** -0.5, A_log, dt_bias)
+    step()  # warm up (compile, counters) outside the capture
+    cs.copy_(cs_e)
+    pool.copy_(pool_e)
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        o_g = step()
+    cs.copy_(cs_e)  # the capture ran nothing; start both from the same states
+    pool.copy_(pool_e)
+    for _ in range(3):
+        y = make_decode(N, H, K, K, W, bf16, "cuda", slots, (), extra_cols=64)
+        for k in ("qkv", "g", "beta"):
+            static[k].copy_(y[k])
+        gr.replay()
+        o_e = decode.kda_decode(y["qkv"], w, cs_e, y["g"], y["beta"], pool_e, x["ids"],
+                                K ** -0.5, A_log, dt_bias)
+        assert torch.equal(o_g, o_e) and torch.equal(cs, cs_e) and torch.equal(pool, pool_e)
 
 
 @cuda

@@ -68,6 +68,12 @@ def check_rms_norm_gated(shape, dtype, device, seed) -> None:
     gate = wide[..., : shape[-1]]
     _close(rms_norm_gated(x, w, gate, 1e-6), naive_rms_norm_gated(x, w, gate, 1e-6), dtype,
            f"gated seed={seed} shape={shape} {dtype}")
+    if len(shape) == 3:  # KDA's gate: heads of a token-strided column slice [T, H, C]
+        t, h, c = shape
+        gate = (torch.randn(t, 2 * h * c + 8, generator=g) * 2).to(dtype).to(device)
+        gate = gate[:, 8:8 + h * c].view(t, h, c)
+        _close(rms_norm_gated(x, w, gate, 1e-6), naive_rms_norm_gated(x, w, gate, 1e-6), dtype,
+               f"gated token-strided seed={seed} shape={shape} {dtype}")
 
 
 def check_swiglu(rows, cols, dtype, device, seed) -> None:

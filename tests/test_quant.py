@@ -127,31 +127,57 @@ def check_engine(n, k, bits, g, device, seed, ms=(1, 5, 40, 200), tol=1e-4) -> N
         assert _rel(quant_matmul(x, qa, qb, sz, bits, g), ref) < tol, (bits, m)
 
 
+def _x_in(m: int, k: int, device, swiglu: bool, row_pad: int = 0):
+    """(x [m, k] bf16, the kernel's input): x itself, or with swiglu the (gate, up) [m, 2k] whose
+    SwiGLU (the SwiGLU kernel's rounding) is x; row_pad: the input as a column slice of a wider
+    tensor."""
+    from volundr.kernels.norm.naive import naive_swiglu
+
+    width = 2 * k if swiglu else k
+    xin = torch.randn(m, width + row_pad, device=device).to(torch.bfloat16)[:, :width]
+    x = naive_swiglu(xin[:, :k], xin[:, k:]) if swiglu else xin
+    return x, xin
+
+
 def check_tc(n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32, **kw) -> None:
     """gemv_tc (M = 1, bf16 x) vs naive on the same bf16 x; fp32 out isolates the kernel's own
     error from the output rounding."""
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
     qa, qb, sz = _layer(n, k, bits, g, device, seed)
-    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    x, xin = _x_in(1, k, device, kw.get("swiglu", False))
     ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, g, k)
     out = torch.full((1, n), float("nan"), device=device, dtype=out_dtype)
-    err = _rel(gemv_tc(x, qa, qb, sz, bits, g, out=out, **kw), ref)
+    err = _rel(gemv_tc(xin, qa, qb, sz, bits, g, out=out, **kw), ref)
     assert err < tol, (n, k, bits, g, kw, err)
 
 
 def check_gemm_tc(m, n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32,
-                  **kw) -> None:
+                  row_pad=0, **kw) -> None:
     """gemm_tc (2 <= M <= 16, bf16 x) vs naive on the same bf16 x; fp32 out isolates the
-    kernel's own error from the output rounding."""
+    kernel's own error from the output rounding. row_pad: x rows are a column slice of a
+    wider tensor (row stride K + row_pad)."""
     from volundr.kernels.quant.gemm_tc import gemm_tc
 
     qa, qb, sz = _layer(n, k, bits, g, device, seed)
-    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    x, xin = _x_in(m, k, device, kw.get("swiglu", False), row_pad)
     ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, g, k)
     out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)
-    err = _rel(gemm_tc(x, qa, qb, sz, bits, g, out=out, **kw), ref)
+    err = _rel(gemm_tc(xin, qa, qb, sz, bits, g, out=out, **kw), ref)
     assert err < tol, (m, n, k, bits, g, kw, err)
+
+
+def check_grouped(m, nj, k, bits, g, device, seed, j=2, tol=1e-4, dtype=torch.float32) -> None:
+    """quant_matmul_grouped: J stacked linears, each on its own input x[:, i] (x a strided
+    view, as KDA's low-rank halves) == naive per block."""
+    from volundr.kernels.quant.engine import quant_matmul_grouped
+    from volundr.kernels.quant.naive import dequantize_kernel_layout
+
+    qa, qb, sz = _layer(j * nj, k, bits, g, device, seed)
+    x = torch.randn(m, j * k + 8, device=device).to(dtype)[:, :j * k].view(m, j, k)
+    w = dequantize_kernel_layout(qa, qb, sz, bits, g, k).view(j, nj, k)
+    ref = torch.einsum("mjk,jnk->mjn", x.float(), w).reshape(m, j * nj)
+    assert _rel(quant_matmul_grouped(x, qa, qb, sz, bits, g), ref) < tol, (m, nj, k, bits)
 
 
 def check_graph_replay(kernel, m: int, bits: int) -> None:
@@ -190,6 +216,10 @@ def run_cpu(group: str) -> None:
             check_gemm_tc(16, 100, 256, bits, 128, "cpu", _seed(), reps=1, num_warps=2)
             check_gemm_tc(11, 64, 256, bits, 128, "cpu", _seed(), tol=8e-3,
                           out_dtype=torch.bfloat16, reps=1, splits=1)
+            # SwiGLU in the x loads (tolerance: see gemv_tc's case); x rows with a stride
+            check_gemm_tc(3, 64, 256, bits, 128, "cpu", _seed(), tol=8e-3, reps=2, splits=2,
+                          swiglu=True)
+            check_gemm_tc(9, 64, 256, bits, 128, "cpu", _seed(), reps=2, row_pad=40)
             if bits == 4:
                 check_gemm_tc(5, 64, 256, bits, 64, "cpu", _seed(), reps=2)
             # engine with VOLUNDR_QUANT_GEMM16=tc: bf16 x at 2 <= M <= 16 takes gemm_tc (at
@@ -216,6 +246,9 @@ def run_cpu(group: str) -> None:
             check_tc(64, 640, bits, 128, "cpu", _seed(), reps=1, num_warps=2)  # 5 groups
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
                      reps=1, splits=1)
+            # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
+            # the GPU and the SwiGLU kernel round to nearest)
+            check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, reps=2, splits=2, swiglu=True)
             if bits != 3:
                 check_tc(64, 256, bits, 64, "cpu", _seed(), reps=2)
             # engine with VOLUNDR_QUANT_GEMV=tc: bf16 x at M = 1 takes gemv_tc (at these small
@@ -232,11 +265,14 @@ def run_cpu(group: str) -> None:
             check_matmul(1, 96, 384, bits, 128, "cpu", _seed(), bn=64, splits=1)
             check_matmul(1, 64, 256, bits, 128, "cpu", _seed(), bn=64)  # engine-like split
             check_matmul(1, 64, 256, bits, 64, "cpu", _seed(), bn=64, prefetch=False)
+            check_grouped(1, 256, 128, bits, 128, "cpu", _seed())  # the engine's GEMV config
         elif group == "batch":
             check_matmul(5, 100, 256, bits, 64, "cpu", _seed(), block_m=16, bn=32, splits=2)
             check_matmul(40, 64, 256, bits, 128, "cpu", _seed(), block_m=16, bn=32, splits=1)
             check_dequant(7, 100, 256, bits, 64, "cpu", _seed(), chunk_n=48)
             check_engine(96, 256, bits, 128, "cpu", _seed())
+            for m in (3, 20):  # 16-row tiles, and per input (prefill)
+                check_grouped(m, 128, 128, bits, 128, "cpu", _seed(), j=3)
 
 
 @pytest.mark.parametrize("group", ["gemv", "batch", "gemv_tc", "gemm_tc"])
@@ -547,6 +583,31 @@ def test_quantize_tiny_checkpoint_end_to_end(tmp_path, capsys):
     assert abs(err["rel_l2"] - q["mixed"]["rel_l2"]) < 1e-3
 
 
+def test_fused_linear_pads_mixed_bit_rows_with_zeros_and_swiglu_input():
+    """FusedLinear over mixed-bit layers of one format: one matmul whose first outputs are the
+    parts' and whose padding rows are exactly 0 (KDA's six projections, padded to whole 64-row
+    tiles); a part of another width keeps them apart. QuantLinear(swiglu=True) on (gate, up)
+    == the layer on SiLU(gate) * up."""
+    from volundr.kernels.norm.naive import naive_swiglu
+    from volundr.kernels.quant import quantize_random_linear
+    from volundr.model.layers import FusedLinear
+
+    mods = [quantize_random_linear(n, 256, 4, 128, "cpu", seed=i)
+            for i, n in enumerate((96, 32, 8))]
+    fused = FusedLinear(mods, pad_to=64)
+    assert fused.fused is not None and fused.out_features == 136
+    x = torch.randn(3, 256)
+    y = fused(x)
+    assert y.shape == (3, 192) and (y[:, 136:] == 0).all()
+    torch.testing.assert_close(y[:, :136], torch.cat([m(x) for m in mods], -1))
+    other = quantize_random_linear(8, 256, 3, 128, "cpu")
+    assert FusedLinear(mods + [other], pad_to=64).fused is None
+    gu = torch.randn(5, 512).to(torch.bfloat16)
+    down = quantize_random_linear(64, 256, 3, 128, "cpu")
+    torch.testing.assert_close(down(gu, swiglu=True),
+                               down(naive_swiglu(gu[:, :256], gu[:, 256:])))
+
+
 def test_mid_size_random_model_quality():
     """hidden 256, 3 layers: uniform widths and a 3.2-bit mix, logits error vs full precision."""
     from volundr.converter.presets import random_state_dict
@@ -672,6 +733,29 @@ def test_cuda_gemm_tc_configs_and_edges(bits):
     check_graph_replay(gemm_tc, 16, bits)
 
 
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_engine_swiglu_in_down(bits):
+    """The MLP's down projection on (gate, up) [M, 2 * 17408]: the tensor-core paths apply the
+    SwiGLU in their x loads (M <= 16), the others after the SwiGLU kernel; all == naive."""
+    from volundr.kernels.norm.naive import naive_swiglu
+    from volundr.kernels.quant.engine import quant_matmul
+
+    k = 17408
+    qa, qb, sz = _layer(5120, k, bits, 128, "cuda", _seed())
+    for m in (1, 4, 16, 40):
+        gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        ref = naive_quant_matmul(naive_swiglu(gu[:, :k], gu[:, k:]).float(), qa, qb, sz, bits,
+                                 128, k)
+        assert _rel(quant_matmul(gu, qa, qb, sz, bits, 128, swiglu=True), ref) < 8e-3, m
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_grouped_low_rank_pair(bits):
+    """KDA's f_b + g_b shape (2 x 5120 x 128) in one launch, bf16, decode to prefill sizes."""
+    for m in (1, 4, 16, 40):
+        check_grouped(m, 5120, 128, bits, 128, "cuda", _seed(), tol=8e-3, dtype=torch.bfloat16)
 
 
 @gpu

@@ -16,7 +16,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear
+from volundr.model.layers import FusedLinear, GroupedLinear
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -50,30 +50,52 @@ class KDA(nn.Module):
         self.state: torch.Tensor | None = None
         self.conv_state: torch.Tensor | None = None
         self.qkv_conv_weight: torch.Tensor | None = None  # set by `after_load`
-        self.qkv_proj: FusedLinear | None = None
+        self.in_proj: FusedLinear | None = None
 
     def after_load(self) -> None:
         """The q, k and v convs as one depthwise conv over 3 * H * K channels, built once after
-        the weights are in (not per step: in a decode step that cat would be a kernel per layer)."""
+        the weights are in (not per step: in a decode step that cat would be a kernel per layer);
+        the six projections of x as one matmul."""
         self.qkv_conv_weight = torch.cat(
             [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
-        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
-        # the three small projections of x (two low-rank, beta): one GEMV instead of three
-        self.x_proj = FusedLinear([self.f_a_proj, self.g_a_proj, self.b_proj])
-        self.x_split = [self.f_a_proj.out_features, self.g_a_proj.out_features,
-                        self.b_proj.out_features]
+        projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
+                 self.b_proj]
+        self.in_split = [m.out_features for m in projs]
+        # One GEMV for all six when they share a format (every Volundr-32B checkpoint: the
+        # small f_a / g_a / b rows alone ran at 93 GB/s, 0.47 ms per token); zero rows pad
+        # the 4-bit total to whole 64-row kernel tiles. Otherwise q/k/v and the small three.
+        fused = FusedLinear(projs, pad_to=64)
+        if fused.fused is not None:
+            self.in_proj, self.parts = fused, None
+        else:
+            self.in_proj = None
+            self.parts = nn.ModuleList([FusedLinear(projs[:3]), FusedLinear(projs[3:])])
         del self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj
+        # f_b and g_b (rank -> H K each, on the two low-rank halves): one launch
+        self.fg_b = GroupedLinear([self.f_b_proj, self.g_b_proj])
+        del self.f_b_proj, self.g_b_proj
 
     def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
-        qkv = self.qkv_proj(x)                                            # [T, 3 * H * K]
-        qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
-                              b.cu_seqlens, activation="silu")
-        q, k, v = qkv.view(T, 3, H, K).unbind(1)
-        f, ga, beta = self.x_proj(x).split(self.x_split, dim=-1)
+        hk3 = 3 * H * K
+        if self.in_proj is not None:
+            y = self.in_proj(x)                              # [T, >= 3HK + 2 rank + H]
+            qkv, xs = y[:, :hk3], y[:, hk3:sum(self.in_split)]  # column views
+        else:
+            qkv, xs = (p(x) for p in self.parts)
+        r, hk = self.in_split[3], H * K
+        fg = self.fg_b(xs[:, :2 * r].view(T, 2, r))                      # [T, 2 H K]
+        f, g_out = fg[:, :hk].view(T, H, K), fg[:, hk:].view(T, H, K)
+        beta = xs[:, 2 * r:]
         # decay and beta stay logits: the KDA kernels apply softplus / exp / sigmoid
-        o = ops.kda_mixer(q, k, v, self.f_b_proj(f).view(T, H, K), beta, self.A_log,
-                          self.dt_bias, self.state, b.slot_ids, b.cu_seqlens, b.cu_list,
-                          scale=K ** -0.5)                                 # [T, H, V]
-        o = ops.rms_norm_gated(o, self.o_norm.weight, self.g_b_proj(ga).view(T, H, K), self.eps)
+        if b.max_q_len == 1:  # decode: conv and recurrence in one kernel on CUDA
+            o = ops.kda_decode(qkv, self.qkv_conv_weight, self.conv_state, f, beta,
+                               self.state, b.slot_ids, K ** -0.5, self.A_log, self.dt_bias)
+        else:
+            qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
+                                  b.cu_seqlens, activation="silu")  # [T, 3 * H * K]
+            q, k, v = qkv.view(T, 3, H, K).unbind(1)
+            o = ops.kda_mixer(q, k, v, f, beta, self.A_log, self.dt_bias, self.state,
+                              b.slot_ids, b.cu_seqlens, b.cu_list, scale=K ** -0.5)  # [T, H, V]
+        o = ops.rms_norm_gated(o, self.o_norm.weight, g_out, self.eps)
         return self.o_proj(o.reshape(T, H * K))

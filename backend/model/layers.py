@@ -26,11 +26,16 @@ class FusedLinear(nn.Module):
     One matmul over the concatenated weights when they can share one (plain or column-parallel
     nn.Linear, or QuantLinear of one bit width and group size): at decode, a launch and a
     mostly idle small GEMV saved per projection. Otherwise the parts run one after another.
-    Built after loading (the checkpoint keeps the separate tensors)."""
+    Built after loading (the checkpoint keeps the separate tensors).
 
-    def __init__(self, mods: list[nn.Module]):
+    pad_to: a fused mixed-bit layer gets zero output rows up to a multiple of it, so that an
+    odd total (KDA's projections: 15656) still takes the kernels' unmasked whole-tile paths;
+    forward then returns the padded width (`out_features` is the true one)."""
+
+    def __init__(self, mods: list[nn.Module], pad_to: int = 1):
         super().__init__()
-        self.fused = _concat_linears(mods)
+        self.out_features = sum(m.out_features for m in mods)
+        self.fused = _concat_linears(mods, pad_to)
         self.parts = None if self.fused is not None else nn.ModuleList(mods)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +44,7 @@ class FusedLinear(nn.Module):
         return torch.cat([m(x) for m in self.parts], dim=-1)
 
 
-def _concat_linears(mods: list[nn.Module]) -> nn.Module | None:
+def _concat_linears(mods: list[nn.Module], pad_to: int) -> nn.Module | None:
     from volundr.model.quant_linear import QuantLinear  # it imports this package
 
     if all(type(m) in (nn.Linear, ColumnParallelLinear) for m in mods):
@@ -48,8 +53,28 @@ def _concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         fused.weight = nn.Parameter(w, requires_grad=False)
         return fused
     if all(isinstance(m, QuantLinear) for m in mods):
-        return QuantLinear.concat(mods)
+        return QuantLinear.concat(mods, pad_to)
     return None
+
+
+class GroupedLinear(nn.Module):
+    """Linears of one shape, each on its own input, as one launch where they share a mixed-bit
+    format: forward(x [T, J, in]) = cat([m(x[:, j]) for j, m], -1) (KDA's f_b and g_b on the
+    two low-rank halves). Built after loading."""
+
+    def __init__(self, mods: list[nn.Module]):
+        super().__init__()
+        from volundr.model.quant_linear import QuantLinear  # it imports this package
+
+        same = all(isinstance(m, QuantLinear) and m.out_features == mods[0].out_features
+                   for m in mods)
+        self.fused = QuantLinear.concat(mods) if same else None
+        self.parts = None if self.fused is not None else nn.ModuleList(mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.forward_grouped(x)
+        return torch.cat([m(x[:, j]) for j, m in enumerate(self.parts)], dim=-1)
 
 
 class MLP(nn.Module):
@@ -61,11 +86,18 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, intermediate, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp)  # all-reduces
         self.gate_up_proj: FusedLinear | None = None
+        self.swiglu_in_down = False
 
     def after_load(self) -> None:
+        from volundr.model.quant_linear import QuantLinear  # it imports this package
+
         self.gate_up_proj = FusedLinear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
+        # a mixed-bit down projection takes (gate, up) and applies the SwiGLU itself
+        self.swiglu_in_down = isinstance(self.down_proj, QuantLinear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(ops.swiglu(gate, up))
+        gate_up = self.gate_up_proj(x)
+        if self.swiglu_in_down:
+            return self.down_proj(gate_up, swiglu=True)
+        return self.down_proj(ops.swiglu(*gate_up.chunk(2, dim=-1)))

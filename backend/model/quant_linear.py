@@ -93,17 +93,21 @@ class QuantLinear(nn.Module):
         return layer
 
     @classmethod
-    def concat(cls, mods: list[QuantLinear]) -> QuantLinear | None:
-        """One layer whose outputs are the outputs of `mods` side by side (same input), or None
-        when they differ in bit width, group size, input width or parallel role."""
+    def concat(cls, mods: list[QuantLinear], pad_to: int = 1) -> QuantLinear | None:
+        """One layer whose outputs are the outputs of `mods` side by side (same input), then
+        zero rows (scale 0: outputs exactly 0) up to a multiple of `pad_to`; or None when they
+        differ in bit width, group size, input width or parallel role."""
         a = mods[0]
         if any((m.bits, m.group_size, m.in_features, m.parallel) !=
                (a.bits, a.group_size, a.in_features, None) for m in mods):
             return None
-        layer = cls(a.in_features, sum(m.out_features for m in mods), a.bits, a.group_size,
-                    device="meta", tp=a.tp)
+        n = sum(m.out_features for m in mods)
+        n_pad = -n % pad_to
+        layer = cls(a.in_features, n + n_pad, a.bits, a.group_size, device="meta", tp=a.tp)
         for name in ("qa", "qb", "sz"):  # kernel layout: output features are the last dim
-            setattr(layer, name, torch.cat([getattr(m, name) for m in mods], dim=1))
+            parts = [getattr(m, name) for m in mods]
+            parts.append(parts[0].new_zeros(parts[0].shape[0], n_pad))
+            setattr(layer, name, torch.cat(parts, dim=1))
         return layer
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -111,17 +115,22 @@ class QuantLinear(nn.Module):
         return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,
                                         self.in_features, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor | None:
+        """x [..., in]; swiglu: x [..., 2 in] holds (gate, up) and the input is SiLU(gate) * up
+        (on CUDA fused into the decode kernels' x loads: the MLP's SwiGLU launch saved)."""
         if self.qa.device != x.device:  # built on the host (apply_quantization without device)
             self.to(x.device)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features * (2 if swiglu else 1))
         fast = ops._fast(x2, "quant")
         if x2.shape[0] == 0:
             y = x2.new_empty(0, self.out_features)
         elif fast is not None:
-            y = fast.quant_matmul(x2, self.qa, self.qb, self.sz, self.bits, self.group_size)
+            y = fast.quant_matmul(x2, self.qa, self.qb, self.sz, self.bits, self.group_size,
+                                  swiglu=swiglu)
         else:
+            if swiglu:
+                x2 = ops.swiglu(*x2.chunk(2, dim=-1))
             y = naive_quant_matmul(x2, self.qa, self.qb, self.sz, self.bits, self.group_size,
                                    self.in_features)
         y = y.reshape(*shape[:-1], self.out_features)
@@ -133,6 +142,22 @@ class QuantLinear(nn.Module):
             dist.gather(y, parts, dst=0)
             return torch.cat(parts, dim=-1) if parts is not None else None
         return y
+
+    def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, J, in] -> [T, out] where output rows j out/J .. (j + 1) out/J - 1 read x[:, j]:
+        the layer holds J linears of one shape stacked (`concat`), each on its own input, run as
+        one launch at decode."""
+        if self.qa.device != x.device:
+            self.to(x.device)
+        fast = ops._fast(x, "quant")
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        if fast is not None:
+            return fast.quant_matmul_grouped(x, self.qa, self.qb, self.sz, self.bits,
+                                             self.group_size)
+        t, j, k = x.shape
+        w = self.dequantize().view(j, self.out_features // j, k)
+        return torch.einsum("tjk,jnk->tjn", x.float(), w).reshape(t, -1).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -4,7 +4,8 @@ Triton kernels (imported lazily, so that importing the references does not impor
   chunk_kda            chunked prefill, varlen, state in/out, per-chunk states  (chunk.py)
   fused_recurrent_kda  decode / verify: token by token, state pool in place     (fused_recurrent.py)
   causal_conv1d        short depthwise causal conv with carried tail            (conv.py)
-engine.py holds the two functions `volundr.ops` calls on CUDA.
+  kda_decode           decode step: conv + KDA in one launch                    (decode.py)
+engine.py holds the functions `volundr.ops` calls on CUDA.
 """
 
 from volundr.kernels.kda.naive import (
@@ -19,6 +20,7 @@ _LAZY = {
     "chunk_kda": "volundr.kernels.kda.chunk",
     "fused_recurrent_kda": "volundr.kernels.kda.fused_recurrent",
     "causal_conv1d": "volundr.kernels.kda.conv",
+    "kda_decode": "volundr.kernels.kda.decode",
 }
 
 
@@ -31,4 +33,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["kda_gate", "l2norm", "naive_causal_conv1d", "naive_chunk_kda", "naive_recurrent_kda",
-           "chunk_kda", "fused_recurrent_kda", "causal_conv1d"]
+           "chunk_kda", "fused_recurrent_kda", "causal_conv1d", "kda_decode"]

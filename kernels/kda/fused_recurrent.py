@@ -18,16 +18,13 @@ from volundr.kernels.kda.utils import kda_gate_act, token_strides
 
 
 @triton.jit
-def _step(b_h, q, k, v, g, beta, o, hs, A_log, dt_bias, t, i_h, o_k, o_v, m_k, m_v, m_h, off_h,
-          scale, s_qt, s_qh, s_vt, s_vh, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-          STORE_HS: tl.constexpr, L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
-          HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """One token: S = diag(exp(g)) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T (scale q)."""
-    b_q = tl.load(q + t * s_qt + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + t * s_qt + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + t * s_vt + i_h * s_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_g = tl.load(g + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + t * H + i_h).to(tl.float32)
+def kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k, scale,
+               K: tl.constexpr, L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
+               HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """One token on a [BK, BV] state tile, inputs in fp32: q, k [BK], v [BV], g [BK] (log decay,
+    or raw logits with USE_GATE), beta scalar (a logit with BETA_SIGMOID).
+    S = diag(exp(g)) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T (scale q).
+    Returns (S, o [BV] in fp32)."""
     if L2NORM:
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -39,6 +36,22 @@ def _step(b_h, q, k, v, g, beta, o, hs, A_log, dt_bias, t, i_h, o_k, o_v, m_k, m
     b_u = b_b * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
     b_h += b_k[:, None] * b_u[None, :]
     b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
+    return b_h, b_o
+
+
+@triton.jit
+def _step(b_h, q, k, v, g, beta, o, hs, A_log, dt_bias, t, i_h, o_k, o_v, m_k, m_v, m_h, off_h,
+          scale, s_qt, s_qh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, H: tl.constexpr,
+          K: tl.constexpr, V: tl.constexpr, STORE_HS: tl.constexpr, L2NORM: tl.constexpr,
+          USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Token t: load its inputs, `kda_update`, store o (and the state after it with STORE_HS)."""
+    b_q = tl.load(q + t * s_qt + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + t * s_qt + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + t * s_vt + i_h * s_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g + t * s_gt + i_h * s_gh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + t * s_bt + i_h * s_bh).to(tl.float32)
+    b_h, b_o = kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k, scale, K,
+                          L2NORM, USE_GATE, HAS_DT_BIAS, BETA_SIGMOID)
     tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_HS:
         tl.store(hs + (t * H + i_h) * K * V + off_h, b_h.to(hs.dtype.element_ty), mask=m_h)
@@ -48,7 +61,7 @@ def _step(b_h, q, k, v, g, beta, o, hs, A_log, dt_bias, t, i_h, o_k, o_v, m_k, m
 @triton.jit(do_not_specialize=["T"])
 def _fused_recurrent_kda_kernel(
     q, k, v, g, beta, o, h0, ht, hs, cu_seqlens, state_idx, A_log, dt_bias,
-    scale, T, s_qt, s_qh, s_vt, s_vh,
+    scale, T, s_qt, s_qh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_HS: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_IDX: tl.constexpr, INPLACE: tl.constexpr,
@@ -79,8 +92,8 @@ def _fused_recurrent_kda_kernel(
         # decode: token n of sequence n; straight-line code, so that every load is in flight at
         # once (no dependency on cu_seqlens)
         b_h = _step(b_h, q, k, v, g, beta, o, hs, A_log, dt_bias, i_n.to(tl.int64), i_h, o_k, o_v,
-                    m_k, m_v, m_h, off_h, scale, s_qt, s_qh, s_vt, s_vh, H, K, V, STORE_HS, L2NORM,
-                    USE_GATE, HAS_DT_BIAS, BETA_SIGMOID)
+                    m_k, m_v, m_h, off_h, scale, s_qt, s_qh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
+                    H, K, V, STORE_HS, L2NORM, USE_GATE, HAS_DT_BIAS, BETA_SIGMOID)
     else:
         if IS_VARLEN:
             bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -90,8 +103,8 @@ def _fused_recurrent_kda_kernel(
             eos = bos + T
         for t in range(bos, eos):
             b_h = _step(b_h, q, k, v, g, beta, o, hs, A_log, dt_bias, t, i_h, o_k, o_v, m_k, m_v,
-                        m_h, off_h, scale, s_qt, s_qh, s_vt, s_vh, H, K, V, STORE_HS, L2NORM,
-                        USE_GATE, HAS_DT_BIAS, BETA_SIGMOID)
+                        m_h, off_h, scale, s_qt, s_qh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, H, K,
+                        V, STORE_HS, L2NORM, USE_GATE, HAS_DT_BIAS, BETA_SIGMOID)
 
     if STORE_HT:
         if INPLACE:
@@ -131,7 +144,9 @@ def fused_recurrent_kda(
     q, k: [B, T, H, K] (any token/head strides, last dim contiguous); v: [B, T, H, V];
     g: [B, T, H, K] log decay, or the raw gate logits with `use_gate_in_kernel` (then
     g = -exp(A_log[h]) * softplus(g + dt_bias[h * K + k]), A_log [H], dt_bias [H * K]);
-    beta: [B, T, H] (logits with `use_beta_sigmoid_in_kernel`); cu_seqlens [N + 1] with B == 1.
+    beta: [B, T, H] (logits with `use_beta_sigmoid_in_kernel`); g and beta with any token and head
+    strides (g's last dim contiguous; with B > 1, batches T tokens apart); cu_seqlens [N + 1]
+    with B == 1.
     initial_state: [N, H, K, V], or with `ssm_state_indices` [N] a pool [slots, H, K, V] whose
     row ssm_state_indices[n] is sequence n's state (negative index: skip that sequence).
     With indices the final state is written back into the pool in place (inplace_final_state
@@ -158,7 +173,9 @@ def fused_recurrent_kda(
         q, k = q.contiguous(), k.contiguous()
         s_qt, s_qh = H * K, K
     v, s_vt, s_vh = token_strides(v)
-    g, beta = g.contiguous(), beta.contiguous()
+    # any token stride: beta is a column slice of a wider projection output in the engine
+    g, s_gt, s_gh = token_strides(g)
+    beta, s_bt, s_bh = token_strides(beta)
     o = out if out is not None else v.new_empty(B, T, H, V)
     if inplace_final_state:
         ht = initial_state
@@ -175,7 +192,7 @@ def fused_recurrent_kda(
     grid = (triton.cdiv(V, BV), N * H)
     _fused_recurrent_kda_kernel[grid](
         q, k, v, g, beta, o, initial_state, ht, hs, cu_seqlens, ssm_state_indices, A_log, dt_bias,
-        scale, T, s_qt, s_qh, s_vt, s_vh,
+        scale, T, s_qt, s_qh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh,
         H=H, K=K, V=V, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, STORE_HS=hs is not None,
         IS_VARLEN=cu_seqlens is not None, USE_IDX=ssm_state_indices is not None,

@@ -25,8 +25,9 @@ def kda_gate_act(g, A_log, dt_bias, i_h, o_k, m_k, K: tl.constexpr, HAS_DT_BIAS:
 
 
 def token_strides(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """x [B, T, H, D] -> (x', stride of one token, stride of one head) with tokens of all batches
-    addressable as (b * T + t) * stride_t; copies only when the layout does not allow that."""
+    """x [B, T, H, D] (or [B, T, H]: beta) -> (x', stride of one token, stride of one head) with
+    tokens of all batches addressable as (b * T + t) * stride_t and a contiguous last dim; copies
+    only when the layout does not allow that."""
     B, T = x.shape[:2]
     if x.stride(-1) != 1 or (B > 1 and x.stride(0) != T * x.stride(1)):
         x = x.contiguous()

@@ -58,7 +58,10 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o,
 
 @triton.jit
 def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, eps,
-                           stride_x, stride_g, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                           stride_x, stride_g, stride_y, g_heads, stride_gh,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of the gate sits at (r // g_heads) stride_g + (r % g_heads) stride_gh: a [T, H, C]
+    gate with any token and head strides (KDA's, a column slice) needs no copy."""
     pdl.trigger()  # a PDL-launched successor may start
     pdl.wait()  # PDL: inputs come from the kernel before
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -70,8 +73,8 @@ def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, eps,
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     # the normalised value is rounded to the activation dtype before the gate, as the reference
     y = (xf * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    g_off = (rows // g_heads) * stride_g + (rows % g_heads) * stride_gh
+    g = tl.load(g_ptr + g_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :],
              (y * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -120,7 +123,11 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
     C = head_dim). x, gate [..., C] (any row strides); weight [C]; out in x.dtype (as
     volundr.kernels.norm.naive.naive_rms_norm_gated)."""
     C = x.shape[-1]
-    x2, g2 = _rows(x), _rows(gate)
+    x2 = _rows(x)
+    if gate.dim() == 3 and gate.stride(-1) == 1:  # [T, H, C], any token / head strides
+        g2, g_heads, stride_gh = gate, gate.shape[1], gate.stride(1)
+    else:
+        g2, g_heads, stride_gh = _rows(gate), 1, 0
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, C)
     R = x2.shape[0]
@@ -129,8 +136,9 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
     block = triton.next_power_of_2(C)
     rows = max(1, min(16, 4096 // block))
     _rms_norm_gated_kernel[(triton.cdiv(R, rows),)](
-        x2, g2, weight, y2, R, C, eps, x2.stride(0), g2.stride(0), y2.stride(0),
-        ROWS=rows, BLOCK=block, num_warps=4 if block <= 2048 else 8, launch_pdl=pdl.ON.value)
+        x2, g2, weight, y2, R, C, eps, x2.stride(0), g2.stride(0), y2.stride(0), g_heads,
+        stride_gh, ROWS=rows, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        launch_pdl=pdl.ON.value)
     return y
 
 

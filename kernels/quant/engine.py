@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from volundr.kernels.norm.engine import swiglu as swiglu_kernel
 from volundr.kernels.quant import gemm_tc, gemv_tc
 from volundr.kernels.quant.gemm import dequant_matmul
 from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
@@ -53,23 +54,32 @@ FUSED_MAX_M = 128
 
 
 def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
-                 bits: int, group_size: int) -> torch.Tensor:
-    """x [M, K] (any float dtype; bf16 in the engine) -> y [M, N] in x's dtype."""
+                 bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] (any float dtype; bf16 in the engine) -> y [M, N] in x's dtype.
+
+    swiglu: x [M, 2K] holds an MLP's (gate, up) and y = (SiLU(gate) * up) @ W^T. The tensor-core
+    decode paths (M <= 16) fuse the SwiGLU into their x loads (one launch less per MLP); the
+    others run the SwiGLU kernel first."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
     n = qa.shape[1]
-    if (m == 1 and GEMV_PATH == "tc" and min(x.shape[1], n) >= TC_MIN_DIM
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    if (m == 1 and GEMV_PATH == "tc" and min(k, n) >= TC_MIN_DIM
             and gemv_tc.supported(x, bits, group_size, n)):
-        return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, **GEMV_TC_CONFIG[bits])
+        return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
+                               **GEMV_TC_CONFIG[bits])
+    if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
+            and (bits == 4 or n % GEMM16_TC_N[bits] == 0)
+            and gemm_tc.supported(x, bits, group_size, n)):
+        return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
+                               **GEMM16_TC_CONFIG[bits])
+    if swiglu:
+        x = swiglu_kernel(x[:, :k], x[:, k:])
     if m == 1:
         bn, nw, waves, prefetch = GEMV_CONFIG[bits]
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=1, bn=bn,
                                    num_warps=nw, waves=waves, prefetch=prefetch)
-    if (m <= MAX_M and GEMM16_PATH == "tc" and min(x.shape[1], n) >= TC_MIN_DIM
-            and (bits == 4 or n % GEMM16_TC_N[bits] == 0)
-            and gemm_tc.supported(x, bits, group_size, n)):
-        return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, **GEMM16_TC_CONFIG[bits])
     if m <= MAX_M:
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=MAX_M,
                                    **BATCH_CONFIG)
@@ -77,3 +87,28 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=64,
                                    **PREFILL_CONFIG)
     return dequant_matmul(x, qa, qb, sz, bits, group_size)
+
+
+def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
+                         bits: int, group_size: int) -> torch.Tensor:
+    """J linears of one shape on J inputs: x [M, J, K] (unit stride along K), W the J weights
+    stacked along N (output rows j N/J .. (j + 1) N/J - 1 belong to input j) -> y [M, N].
+
+    KDA's f_b and g_b (5120 x 128 each, on the two low-rank halves): at decode one launch of
+    the FMA GEMV / 16-row tiles instead of two (each ~3 us, almost all launch latency)."""
+    m, j, k = x.shape
+    n = qa.shape[1]
+    nj = n // j
+    if m == 1 and nj % GEMV_CONFIG[bits][0] == 0:
+        bn, nw, waves, prefetch = GEMV_CONFIG[bits]
+        return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=1, bn=bn,
+                                   num_warps=nw, waves=waves, prefetch=prefetch)
+    if 1 < m <= MAX_M and nj % BATCH_CONFIG["bn"] == 0:
+        return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=MAX_M,
+                                   **BATCH_CONFIG)
+    # prefill: one matmul per input (the kernels want whole planes: slices are copied)
+    cols = [slice(i * nj, (i + 1) * nj) for i in range(j)]
+    return torch.cat([quant_matmul(x[:, i], qa[:, c].contiguous(),
+                                   qb[:, c].contiguous() if qb.numel() else qb,
+                                   sz[:, c].contiguous(), bits, group_size)
+                      for i, c in enumerate(cols)], dim=-1)

@@ -50,6 +50,7 @@ from volundr.kernels.quant.gemv_tc import (
     _interpreting,
     _lane_rows,
     _ld,
+    _ldx,
     _lo,
     _mma,
     _plan_consts,
@@ -149,8 +150,8 @@ def kernel_consts(bits: int, t_tiles: int, ns: int) -> dict:
 
 # ---- pure-Triton twin (TRITON_INTERPRET=1) ---------------------------------------------------
 @triton.jit
-def _twin_xsums(x_ptr, grp, M, K, u: tl.constexpr, h: tl.constexpr, G: tl.constexpr,
-                WA: tl.constexpr, NP: tl.constexpr, OFFS: tl.constexpr):
+def _twin_xsums(x_ptr, grp, M, K, up_off, u: tl.constexpr, h: tl.constexpr, G: tl.constexpr,
+                WA: tl.constexpr, NP: tl.constexpr, OFFS: tl.constexpr, SWIGLU: tl.constexpr):
     """X = sum x and B = sum 128 x' (x' = x 2^-o of the slot's pair) over group grp for the
     sequence 8u + 2c + h of lane c: [4, 1, 1, 1] each (what the X/B mma sums)."""
     kk = tl.arange(0, G)
@@ -159,8 +160,8 @@ def _twin_xsums(x_ptr, grp, M, K, u: tl.constexpr, h: tl.constexpr, G: tl.conste
     for p in tl.static_range(NP):
         sck = tl.where(pk == p, 1.0 / (1 << OFFS[p]), sck)
     row = 8 * u + 2 * tl.arange(0, 4) + h
-    xt = tl.load(x_ptr + row[:, None] * K + grp * G + kk[None, :], mask=row[:, None] < M,
-                 other=0.0).to(tl.float32)
+    xt = _ldx(x_ptr + row[:, None] * K + grp * G + kk[None, :], up_off, row[:, None] < M,
+              True, SWIGLU).to(tl.float32)
     xs = tl.reshape(tl.sum(xt, axis=1), (4, 1, 1, 1))
     bs = tl.reshape(tl.sum(xt * sck[None, :], axis=1) * 128.0, (4, 1, 1, 1))
     return xs, bs
@@ -168,7 +169,8 @@ def _twin_xsums(x_ptr, grp, M, K, u: tl.constexpr, h: tl.constexpr, G: tl.conste
 
 @triton.jit
 def _twin_group(f0, f1, f2, f3, x_ptr, qa_ptr, qb_ptr, grp, n, wmask, c4, sh_e, sh_o, M, N, K,
-                BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, NS: tl.constexpr,
+                up_off, SWIGLU: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                WA: tl.constexpr, NS: tl.constexpr,
                 NP: tl.constexpr, T: tl.constexpr, SH: tl.constexpr, MSK: tl.constexpr,
                 OFFS: tl.constexpr, EVEN: tl.constexpr):
     """One group's F sums, elementwise: each lane's words and pairs as in the asm (lane c: word
@@ -203,8 +205,9 @@ def _twin_group(f0, f1, f2, f3, x_ptr, qa_ptr, qb_ptr, grp, n, wmask, c4, sh_e, 
             for u in tl.static_range(T):
                 for h in tl.static_range(2):
                     row = 8 * u + 2 * c5 + h  # [4 (c), 1, 1, 1, 1]
-                    xl = tl.load(xk + row * K, mask=row < M, other=0.0).to(tl.float32)
-                    xh = tl.load(xk + NP * WA + row * K, mask=row < M, other=0.0).to(tl.float32)
+                    xl = _ldx(xk + row * K, up_off, row < M, True, SWIGLU).to(tl.float32)
+                    xh = _ldx(xk + NP * WA + row * K, up_off, row < M, True,
+                              SWIGLU).to(tl.float32)
                     prod = tl.sum(fl * (xl * sc) + fh * (xh * sc), axis=1)  # [4, Q, L, 4]
                     if 2 * u + h == 0:
                         f0 += prod
@@ -250,16 +253,18 @@ def _reduce(y_ptr, ws_ptr, num_splits, u: tl.constexpr, h: tl.constexpr, c4, n, 
 
 @triton.jit
 def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
-                   M, N, K, num_groups, groups_per_split, num_splits,
+                   M, N, K, num_groups, groups_per_split, num_splits, stride_xm, up_off,
                    BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, L: tl.constexpr,
                    Q: tl.constexpr, T: tl.constexpr, SPLIT_K: tl.constexpr,
                    USE_ASM: tl.constexpr, SH: tl.constexpr, MSK: tl.constexpr,
                    OFFS: tl.constexpr, ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr,
                    ASM_PAIRS: tl.constexpr, CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr,
-                   XS: tl.constexpr, ASM_KEEP: tl.constexpr, EVEN: tl.constexpr):
+                   XS: tl.constexpr, ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
+                   SWIGLU: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums groups g0 .. g1 - 1 for its BN output rows and all M <= 8 T
-    sequences (T = 1 or 2 batch tiles of 8)."""
+    sequences (T = 1 or 2 batch tiles of 8). x row m at x_ptr + m stride_xm; SWIGLU: x =
+    SiLU(gate) * up, up at + up_off (x holds the gate_up output)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -307,10 +312,10 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             xps1 = ()
             for u in tl.static_range(T):
                 xm = ((xrow + 8 * u) < M) & (c4 >= 0) & (js >= 0)
-                xg = x_ptr + (xrow + 8 * u) * K + grp * G + xoff  # [4, Q, 1, NS]
+                xg = x_ptr + (xrow + 8 * u) * stride_xm + grp * G + xoff  # [4, Q, 1, NS]
                 for p in tl.static_range(NP):
-                    xlo = tl.load(xg + p * WA, mask=xm, other=0.0)
-                    xhi = tl.load(xg + (p + NP) * WA, mask=xm, other=0.0)
+                    xlo = _ldx(xg + p * WA, up_off, xm, True, SWIGLU)
+                    xhi = _ldx(xg + (p + NP) * WA, up_off, xm, True, SWIGLU)
                     pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
                                                    dtype=tl.int32, is_pure=True, pack=2)
                     if NS == 2:  # step s at elements 2s, 2s + 1 (registers: no data movement)
@@ -352,12 +357,16 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             bs3 = _pick(xb1, 3, j4)
         else:
             f0, f1, f2, f3 = _twin_group(f0, f1, f2, f3, x_ptr, qa_ptr, qb_ptr, grp, n, wmask,
-                                         c4, sh_e, sh_o, M, N, K, BITS, G, WA, NS, NP, T, SH,
-                                         MSK, OFFS, EVEN)
-            xs0, bs0 = _twin_xsums(x_ptr, grp, M, K, 0, 0, G, WA, NP, OFFS)
-            xs1, bs1 = _twin_xsums(x_ptr, grp, M, K, 0, 1, G, WA, NP, OFFS)
-            xs2, bs2 = _twin_xsums(x_ptr, grp, M, K, 1, 0, G, WA, NP, OFFS)
-            xs3, bs3 = _twin_xsums(x_ptr, grp, M, K, 1, 1, G, WA, NP, OFFS)
+                                         c4, sh_e, sh_o, M, N, stride_xm, up_off, SWIGLU, BITS, G,
+                                         WA, NS, NP, T, SH, MSK, OFFS, EVEN)
+            xs0, bs0 = _twin_xsums(x_ptr, grp, M, stride_xm, up_off, 0, 0, G, WA, NP, OFFS,
+                                   SWIGLU)
+            xs1, bs1 = _twin_xsums(x_ptr, grp, M, stride_xm, up_off, 0, 1, G, WA, NP, OFFS,
+                                   SWIGLU)
+            xs2, bs2 = _twin_xsums(x_ptr, grp, M, stride_xm, up_off, 1, 0, G, WA, NP, OFFS,
+                                   SWIGLU)
+            xs3, bs3 = _twin_xsums(x_ptr, grp, M, stride_xm, up_off, 1, 1, G, WA, NP, OFFS,
+                                   SWIGLU)
         # (n broadcast over c: a [1, Q, L, 4] load would get a layout of its own and cost a
         # layout conversion of every accumulator per group)
         szw = _ld(sz_ptr + grp * N + tl.broadcast_to(n, (4, Q, L, 4)), wmask, not EVEN)
@@ -396,17 +405,18 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
 
 def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
             group_size: int, out: torch.Tensor | None = None, reps: int = 2,
-            num_warps: int = 1, waves: float = 16.0, splits: int | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T, 2 <= M <= 16, x bf16 with unit stride along K; out (optional)
-    [M, N] bf16 or fp32, contiguous.
+            num_warps: int = 1, waves: float = 16.0, splits: int | None = None,
+            swiglu: bool = False) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T, 2 <= M <= 16, x bf16 with unit stride along K (any row
+    stride); out (optional) [M, N] bf16 or fp32, contiguous. swiglu: x [M, 2K] holds (gate, up)
+    and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into the x loads.
 
     reps: 32-row slabs per warp (BN = 32 reps num_warps rows per program); split-K over groups
     to about `waves` programs per SM (or `splits`)."""
     m, k = x.shape
+    k = k // 2 if swiglu else k
     n = qa.shape[1]
     assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
-    if x.stride(0) != k:
-        x = x.contiguous()
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
     num_groups = k // group_size
@@ -430,7 +440,7 @@ def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         ws, cnt = out, out
     gemm_tc_kernel[(n_tiles, ns)](
         x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, m, n, k, num_groups, gps, ns,
-        BITS=bits, G=group_size, WA=wa, L=reps, Q=q, T=t_tiles, SPLIT_K=ns > 1,
+        x.stride(0), k, BITS=bits, G=group_size, WA=wa, L=reps, Q=q, T=t_tiles, SPLIT_K=ns > 1,
         USE_ASM=not _interpreting(), EVEN=n % bn == 0,
-        **kernel_consts(bits, t_tiles, wa // 4), num_warps=num_warps)
+        **kernel_consts(bits, t_tiles, wa // 4), SWIGLU=swiglu, num_warps=num_warps)
     return out

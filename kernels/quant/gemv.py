@@ -157,7 +157,7 @@ def _dot_group(a, b, x_ptr, g, stride_xm, rm, mmask,
 @triton.jit
 def quant_matmul_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                         M, N, stride_xm, stride_ym, num_groups, groups_per_split, num_splits,
-                        lo_mask,
+                        lo_mask, x_group_n, stride_xj,
                         BITS: tl.constexpr, PA: tl.constexpr, WA: tl.constexpr, G: tl.constexpr,
                         NW: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
                         SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -168,6 +168,9 @@ def quant_matmul_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     pid_m = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
+    # grouped x (x_group_n | BN): output rows j x_group_n .. read x[:, j] (several small
+    # linears on different inputs in one launch); otherwise x_group_n = N, one x
+    x_ptr += ((pid_n * BN) // x_group_n) * stride_xj
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = rm < M
     acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
@@ -272,12 +275,20 @@ def quant_matmul_triton(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz:
                         num_stages: int | None = None, prefetch: bool = True) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype; x has unit stride along K.
 
+    Grouped: x [M, J, K] (any strides but the last) and output row block j (N / J rows, a
+    multiple of bn) uses x[:, j]: J linears of one shape on J inputs in one launch.
+
     block_m 1 (M = 1 only): the FMA path; otherwise tensor-core tiles of block_m rows (16 for
     decode batches, 64 or 128 for prefill). Split-K when the (N, M) tiles alone would leave
     SMs idle."""
-    m, k = x.shape
     n = qa.shape[1]
-    assert x.stride(1) == 1
+    if x.dim() == 3:
+        m, j, k = x.shape
+        group_n, stride_xj = n // j, x.stride(1)
+        assert n % j == 0 and group_n % bn == 0, (n, j, bn)
+    else:
+        (m, k), group_n, stride_xj = x.shape, n, 0
+    assert x.stride(-1) == 1
     if block_m is None:
         block_m = 1 if m == 1 else (MAX_M if m <= MAX_M else 64)
     assert block_m > 1 or m == 1
@@ -295,7 +306,7 @@ def quant_matmul_triton(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz:
     extra = {} if num_stages is None else {"num_stages": num_stages}
     quant_matmul_kernel[(n_tiles, ns, m_tiles)](
         x, qa, qb if qb.numel() else qa, sz, out, ws, cnt,
-        m, n, x.stride(0), out.stride(0), num_groups, gps, ns, (1 << pa) - 1,
+        m, n, x.stride(0), out.stride(0), num_groups, gps, ns, (1 << pa) - 1, group_n, stride_xj,
         BITS=bits, PA=pa, WA=wa, G=group_size, NW=2 if pa == 4 else 4, BLOCK_M=block_m,
         BN=bn, SPLIT_K=ns > 1, USE_DOT=block_m > 1,
         DOT_DTYPE=_dot_dtype(x), PREFETCH=prefetch, num_warps=num_warps,

@@ -292,6 +292,18 @@ def _ld(ptr, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _ldx(ptr, up_off, mask, MASKED: tl.constexpr, SWIGLU: tl.constexpr):
+    """An x load; SWIGLU: x = SiLU(gate) * up with up at ptr + up_off (the down projection reads
+    the gate_up output directly: one SwiGLU launch less per MLP), in fp32 and rounded to x's
+    dtype, as the SwiGLU kernel does. Masked elements read 0 (SiLU(0) * 0 = 0)."""
+    if SWIGLU:
+        g = _ld(ptr, mask, MASKED).to(tl.float32)
+        u = _ld(ptr + up_off, mask, MASKED).to(tl.float32)
+        return (g * tl.sigmoid(g) * u).to(ptr.dtype.element_ty)
+    return _ld(ptr, mask, MASKED)
+
+
+@triton.jit
 def _prefetch_rows(ptr, row0, row1, col0, N, PF_ASM: tl.constexpr):
     """L2 prefetch of int32 rows row0 .. row1 - 1, columns col0 .. col0 + BN (PF_ASM's size),
     of a [rows, N] plane: 32 rows per pass, a lane each."""
@@ -334,16 +346,18 @@ def _xsum_a(j4, XS: tl.constexpr, ASM_KEEP: tl.constexpr, Q: tl.constexpr):
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
 def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
-                   N, num_groups, sets_per_split, num_splits,
+                   N, num_groups, sets_per_split, num_splits, up_off,
                    BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, L: tl.constexpr,
                    Q: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
                    SH: tl.constexpr, MSK: tl.constexpr, OFFS: tl.constexpr,
                    ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr, ASM_PAIRS: tl.constexpr,
                    CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
                    ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
-                   PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = ""):
+                   PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
+                   SWIGLU: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
-    Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows."""
+    Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
+    SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -388,8 +402,9 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
-                xlo = _ld(xg + p * WA + blk * 4, xmask, USE_ASM or not EVEN)
-                xhi = _ld(xg + (p + NP) * WA + blk * 4, xmask, USE_ASM or not EVEN)
+                xlo = _ldx(xg + p * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN, SWIGLU)
+                xhi = _ldx(xg + (p + NP) * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN,
+                           SWIGLU)
                 if USE_ASM:
                     pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
                                                    dtype=tl.int32, is_pure=True, pack=2)
@@ -476,12 +491,16 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
 
 def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
             group_size: int, out: torch.Tensor | None = None, reps: int = 4,
-            num_warps: int = 1, waves: float = 8.0, splits: int | None = None) -> torch.Tensor:
+            num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
+            swiglu: bool = False) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
+    swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
+    the x loads.
 
     reps: 32-row slabs per warp (BN = 32 reps num_warps rows per program); split-K over sets
     of 4 groups to about `waves` programs per SM (or `splits`)."""
     m, k = x.shape
+    k = k // 2 if swiglu else k
     n = qa.shape[1]
     assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
     pa = 4 if bits == 4 else 2
@@ -501,11 +520,11 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
-    prefetch = pdl.ON.value and even and bn % 32 == 0 and not _interpreting()
+    prefetch = pdl.ON.value and pdl.PREFETCH and even and bn % 32 == 0 and not _interpreting()
     gemv_tc_kernel[(n_tiles, ns)](
-        x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns,
+        x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns, k,
         BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
-        num_warps=num_warps, launch_pdl=pdl.ON.value)
+        SWIGLU=swiglu, num_warps=num_warps, launch_pdl=pdl.ON.value)
     return out

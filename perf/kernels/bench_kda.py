@@ -2,11 +2,16 @@
 
 Prefill: `chunk_kda` (ours and fla's) on one sequence of T tokens, bf16 q/k/v, fp32 g/beta, q/k
 L2 norm in the kernel, initial state in and final state out. Decode: one token for each of B
-sequences through `fused_recurrent_kda` (ours and fla's), and our engine path (conv + KDA mixer
-over a state pool, what one KDA layer runs per decode step), eager and replayed from a CUDA graph.
+sequences through `fused_recurrent_kda` (ours and fla's), and our engine path per decode step of
+one KDA layer over state pools, in the engine's form (raw projections, gate and beta logits with
+the activations in the kernels): conv then KDA mixer (two kernels, "layer") and the fused
+`kda_decode` (one kernel, "fused"; checked against "layer" before it is timed; layer_over_fused
+is the ratio of their graph times), eager and replayed from a CUDA graph.
 Medians of `triton.testing.do_bench`. Writes kda_bench.{json,csv,png} under --out.
 
     python perf/kernels/bench_kda.py --out "$OUT" [--prefill 4096,32768,131072] [--sweep]
+    python perf/kernels/bench_kda.py --out "$OUT" --decode-only [--decode 1,16] [--fused-variants]
+    python perf/kernels/bench_kda.py --out /tmp/x --decode-only --smoke  # CPU: decode path check
     python perf/kernels/bench_kda.py --out "$OUT" --intra-compare [--intra-T 4096,32768]
         [--sub-variants] [--no-fla]
     python perf/kernels/bench_kda.py --out /tmp/x --intra-compare --sub-variants --smoke  # CPU
@@ -33,12 +38,18 @@ import triton
 from triton.testing import do_bench
 
 from volundr.kernels.kda import chunk as ours_chunk
+from volundr.kernels.kda import decode as ours_decode
 from volundr.kernels.kda import engine
 from volundr.kernels.kda.fused_recurrent import fused_recurrent_kda
 from volundr.kernels.kda.naive import kda_gate, naive_chunk_kda
 
 H, K, V = 40, 128, 128
 dev = "cuda"
+SMOKE = False  # --smoke: tiny shapes under the CPU interpreter
+FUSED_VARIANTS_ON = False  # --fused-variants
+# launch settings of the fused decode kernel (kda_decode) timed with --fused-variants
+FUSED_VARIANTS = [{}, {"BV": 16}, {"BV": 16, "num_warps": 4}, {"num_warps": 4},
+                  {"BV": 64, "num_warps": 4}, {"BV": 8, "num_warps": 1}]
 QKV_DTYPE = torch.bfloat16  # fp32 in --smoke: the interpreter's bf16 tl.dot is wrong
 try:
     import fla.ops.kda as fla_kda
@@ -255,6 +266,13 @@ def prefill_one(T: int) -> dict:
     return r
 
 
+def timings(fn) -> tuple[float, float, float]:
+    """(eager, graph-replayed, host) us per call; --smoke: one eager call, the rest NaN."""
+    if SMOKE:
+        return one_ms(fn, True) * 1e3, float("nan"), float("nan")
+    return med(fn) * 1e3, graphed(fn) * 1e3, host_us(fn)
+
+
 def decode_one(B: int) -> dict:
     q, k, v, g, beta, h0 = inputs(B, 1)
     r = dict(kind="decode", B=B)
@@ -263,37 +281,73 @@ def decode_one(B: int) -> dict:
         return lambda: mod.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0,
                                                output_final_state=True,
                                                use_qk_l2norm_in_kernel=True)
-    r["ours_us"], r["ours_graph_us"] = med(pub(_Ours)) * 1e3, graphed(pub(_Ours)) * 1e3
-    if fla_kda is not None:
+    r["ours_us"], r["ours_graph_us"], _ = timings(pub(_Ours))
+    if fla_kda is not None and not SMOKE:
         r["fla_us"], r["fla_graph_us"] = med(pub(fla_kda)) * 1e3, graphed(pub(fla_kda)) * 1e3
         r["ratio_eager"] = r["fla_us"] / r["ours_us"]
         r["ratio_graph"] = r["fla_graph_us"] / r["ours_graph_us"]
         (o1, s1), (o2, s2) = pub(_Ours)(), pub(fla_kda)()
         r["rel_o_vs_fla"], r["rel_state_vs_fla"] = rel(o1, o2), rel(s1, s2)
-    # the engine's layer step: conv over q|k|v with its state, then the KDA mixer in place
+    # the engine's layer step, engine form: raw q|k|v projections (a column slice of a wider
+    # output), gate and beta logits (beta a column slice), conv and KDA states updated in place
     slots = B + 7
     pool = torch.randn(slots, H, K, V, device=dev) * 0.1
     ids = torch.randperm(slots, device=dev)[:B]
     cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
     cu_list = cu.tolist()
     C = 3 * H * K
-    xc = torch.randn(B, C, device=dev, dtype=torch.bfloat16)
-    wc = torch.randn(C, 4, device=dev, dtype=torch.bfloat16)
-    cs = torch.randn(slots, C, 3, device=dev, dtype=torch.bfloat16)
-    g0, b0 = g[:, 0], beta[:, 0]
+    xc = torch.randn(B, C + 64, device=dev, dtype=QKV_DTYPE)[:, :C]
+    wc = torch.randn(C, 4, device=dev, dtype=QKV_DTYPE) * 0.5
+    cs = torch.randn(slots, C, 3, device=dev, dtype=QKV_DTYPE)
+    g_raw = torch.randn(B, H, K, device=dev, dtype=QKV_DTYPE)
+    b_raw = torch.randn(B, 2 * 16 + H, device=dev, dtype=QKV_DTYPE)[:, 2 * 16:]
+    A_log = torch.rand(H, device=dev) * 2.0 - 1.0
+    dt_bias = torch.randn(H * K, device=dev)
+    scale = K ** -0.5
 
     def mixer(y=xc):
         qq, kk, vv = y.view(B, 3, H, K).unbind(1)
-        return engine.kda_mixer(qq, kk, vv, g0, b0, pool, ids, cu, cu_list, K ** -0.5)
+        return engine.kda_mixer(qq, kk, vv, g_raw, b_raw, pool, ids, cu, cu_list, scale,
+                                A_log=A_log, dt_bias=dt_bias)
 
     def conv():
         return engine.causal_conv(xc, wc, cs, ids, cu, "silu")
 
     def layer():
         return mixer(conv())
-    for name, fn in (("mixer", mixer), ("conv", conv), ("layer", layer)):
-        r[f"{name}_us"], r[f"{name}_graph_us"] = med(fn) * 1e3, graphed(fn) * 1e3
-        r[f"{name}_host_us"] = host_us(fn)
+
+    def fused():  # the kernel itself (engine.kda_decode takes the two kernels at large batch)
+        return ours_decode.kda_decode(xc, wc, cs, g_raw, b_raw, pool, ids, scale, A_log, dt_bias)
+
+    # the fused step == the two kernels (output, both states) before either is timed
+    saved = pool.clone(), cs.clone()
+    o_l, pool_l, cs_l = layer(), pool.clone(), cs.clone()
+    pool.copy_(saved[0])
+    cs.copy_(saved[1])
+    o_f = fused()
+    r["rel_o_fused_vs_layer"] = rel(o_f, o_l)
+    r["rel_state_fused_vs_layer"] = rel(pool, pool_l)
+    r["conv_state_equal"] = bool(torch.equal(cs, cs_l))
+    r["fused_ok"] = (r["conv_state_equal"] and bool(torch.isfinite(o_f).all())
+                     and max(r["rel_o_fused_vs_layer"], r["rel_state_fused_vs_layer"]) < 2e-2)
+    del saved, pool_l, cs_l
+    # (the state pools drift over the timed calls; the time does not depend on their values)
+    for name, fn in (("mixer", mixer), ("conv", conv), ("layer", layer), ("fused", fused)):
+        if name == "fused" and not r["fused_ok"]:
+            continue  # a wrong kernel's time means nothing
+        r[f"{name}_us"], r[f"{name}_graph_us"], r[f"{name}_host_us"] = timings(fn)
+    if "fused_us" in r:
+        r["layer_over_fused"] = r["layer_us"] / r["fused_us"]
+        r["layer_over_fused_graph"] = r["layer_graph_us"] / r["fused_graph_us"]
+        if FUSED_VARIANTS_ON:  # graph us per launch setting of the fused kernel (decode.CONFIG)
+            base = dict(ours_decode.CONFIG)
+            try:
+                for cfg in FUSED_VARIANTS:
+                    ours_decode.CONFIG.update(base, **cfg)
+                    key = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+                    r[f"fused_graph_us[{key}]"] = timings(fused)[1]
+            finally:
+                ours_decode.CONFIG.update(base)
     r["state_GBps_graph"] = 2 * B * H * K * V * 4 / (r["mixer_graph_us"] * 1e-6) / 1e9
     return r
 
@@ -334,7 +388,8 @@ def plot(pre, dec, path) -> None:
                          ("ours_graph_us", "o:", "volundr (CUDA graph)"),
                          ("fla_us", "s--", "fla fused_recurrent (eager)"),
                          ("fla_graph_us", "s:", "fla (CUDA graph)"),
-                         ("layer_graph_us", "^-", "volundr conv+mixer layer (graph)")):
+                         ("layer_graph_us", "^-", "volundr conv+mixer layer (graph)"),
+                         ("fused_graph_us", "v-", "volundr fused kda_decode (graph)")):
         if dec and key in dec[0]:
             b.loglog(Bs, [r[key] for r in dec], st, label=lab)
     b.axhline(10, color="gray", lw=0.8)
@@ -358,6 +413,10 @@ def main() -> None:
     ap.add_argument("--sub-variants", action="store_true",
                     help="with --intra-compare: also time the sub path's launch-setting variants")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out (it autotunes: slow)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode measurements (no prefill), then stop")
+    ap.add_argument("--fused-variants", action="store_true",
+                    help="decode: also time the fused kernel's launch settings (FUSED_VARIANTS)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (script check)")
     args = ap.parse_args()
@@ -365,8 +424,8 @@ def main() -> None:
         if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when kernels are defined
             os.execve(sys.executable, [sys.executable] + sys.argv,
                       dict(os.environ, TRITON_INTERPRET="1"))
-        global H, K, V, dev, QKV_DTYPE
-        H, K, V, dev, QKV_DTYPE = 2, 32, 32, "cpu", torch.float32
+        global H, K, V, dev, QKV_DTYPE, SMOKE
+        H, K, V, dev, QKV_DTYPE, SMOKE = 2, 32, 32, "cpu", torch.float32, True
     cfg_path = os.path.join(args.out, "kda_config.json")
     os.makedirs(args.out, exist_ok=True)
     name = "kda_sweep" if args.sweep else "kda_intra" if args.intra_compare else "kda_bench"
@@ -399,7 +458,15 @@ def main() -> None:
     if os.path.exists(cfg_path):
         ours_chunk.CONFIG.update(json.load(open(cfg_path)))
         log(dict(kind="config", config=dict(ours_chunk.CONFIG)))
+    if args.no_fla:
+        global fla_kda
+        fla_kda = None
+    global FUSED_VARIANTS_ON
+    FUSED_VARIANTS_ON = args.fused_variants
     dec = decode([int(b) for b in args.decode.split(",")], log)
+    if args.decode_only:
+        print_decode(dec)
+        return
     pre = prefill([int(t) for t in args.prefill.split(",")], log)
     breakdown(32768, log)
     with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
@@ -414,11 +481,19 @@ def main() -> None:
     for r in pre:
         print(f'{r["T"]:>8} {r["ours_ms"]:8.3f} {r.get("fla_ms", float("nan")):8.3f} '
               f'{r.get("ratio", float("nan")):6.2f}')
-    print("decode:  B  ours_us(eager/graph)  fla_us(eager/graph)  layer_us(eager/graph)")
+    print_decode(dec)
+
+
+def print_decode(dec) -> None:
+    nan = float("nan")
+    print("decode:  B  ours_us(eager/graph)  fla_us(eager/graph)  layer_us(eager/graph)  "
+          "fused_us(eager/graph)  layer/fused(graph)")
     for r in dec:
         print(f'{r["B"]:>6} {r["ours_us"]:7.1f}/{r["ours_graph_us"]:6.1f} '
-              f'{r.get("fla_us", float("nan")):7.1f}/{r.get("fla_graph_us", float("nan")):6.1f} '
-              f'{r["layer_us"]:7.1f}/{r["layer_graph_us"]:6.1f}')
+              f'{r.get("fla_us", nan):7.1f}/{r.get("fla_graph_us", nan):6.1f} '
+              f'{r["layer_us"]:7.1f}/{r["layer_graph_us"]:6.1f} '
+              f'{r.get("fused_us", nan):7.1f}/{r.get("fused_graph_us", nan):6.1f} '
+              f'{r.get("layer_over_fused_graph", nan):6.2f}')
 
 
 if __name__ == "__main__":

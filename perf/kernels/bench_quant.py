@@ -216,6 +216,17 @@ def plot(data: dict, path: str) -> None:
 # (twice the programs; waves 24: one set of 4 groups per program at K = 5120)
 TC_CFGS = [(4, 1, 8.0), (4, 1, 16.0), (2, 1, 24.0)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
+# the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up
+M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
+
+
+def parse_cfgs(text: str) -> list[tuple[int, int, float]]:
+    """"reps,warps,waves;..." -> [(reps, warps, waves), ...] (--tc-configs)."""
+    out = []
+    for part in filter(None, text.split(";")):
+        r, w, wv = part.split(",")
+        out.append((int(r), int(w), float(wv)))
+    return out
 
 
 def cpu_time(fn) -> float:
@@ -273,7 +284,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
     t0 = time.time()
     data = _compare_header(smoke)
     rows = data["rows"]
-    for n, k in (SMOKE_SHAPES if smoke else SHAPES):
+    for n, k in (SMOKE_SHAPES if smoke else M1_SHAPES):
         for bits in (2, 3, 4):
             nbytes = layer_bytes(random_layer(n, k, bits, device=dev))
             copies = 1 if smoke else max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
@@ -301,7 +312,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
                 print(f"{n:6d}x{k:<6d} {bits}b {name:3s} {cfg:40s} err "
                       f"{rec.get('rel_err', float('nan')):.1e}  {res}", flush=True)
     print("summary (best tc vs fma, us):")
-    for n, k in (SMOKE_SHAPES if smoke else SHAPES):
+    for n, k in (SMOKE_SHAPES if smoke else M1_SHAPES):
         for bits in (2, 3, 4):
             sel = [r for r in rows if (r["n"], r["k"], r["bits"]) == (n, k, bits) and "us" in r]
             old = [r["us"] for r in sel if r["variant"] == "fma"]
@@ -393,6 +404,9 @@ def main(argv=None) -> int:
                     help="two configs per case, no prefill (--m1/--m16-compare: one tc config)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
+    ap.add_argument("--tc-configs", default="",
+                    help='--m1/--m16-compare: tensor-core configs "reps,warps,waves;..." '
+                         "instead of the built-in list")
     args = ap.parse_args(argv)
     if args.m1_compare or args.m16_compare:
         if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -401,10 +415,11 @@ def main(argv=None) -> int:
         if not args.smoke and not torch.cuda.is_available():
             print("needs CUDA (or --smoke)", file=sys.stderr)
             return 1
+        own = parse_cfgs(args.tc_configs)
         if args.m16_compare:
             return m16_compare(args.out, args.smoke,
-                               GEMM16_CFGS[:1] if args.quick else GEMM16_CFGS)
-        return m1_compare(args.out, args.smoke, TC_CFGS[:1] if args.quick else TC_CFGS)
+                               own or (GEMM16_CFGS[:1] if args.quick else GEMM16_CFGS))
+        return m1_compare(args.out, args.smoke, own or (TC_CFGS[:1] if args.quick else TC_CFGS))
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1

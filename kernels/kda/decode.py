@@ -1,0 +1,229 @@
+"""KDA decode in one launch: the short causal conv (+ SiLU, with its carried tail) fused into the
+token-by-token KDA step, one token per sequence.
+
+Unfused, a KDA layer's decode step runs `conv.causal_conv1d` over q|k|v (writes y [T, C], updates
+conv_state) and then `fused_recurrent_kda` (reads y back). Here the recurrent kernel's programs
+read the raw projections and compute the conv outputs they need themselves. Grid
+(NV = V / BV, N * H), as the decode path of fused_recurrent.py: program (i_v, n, h) needs all K q
+and k channels of head h (the L2 norms and the dot products with the state run over K) but only
+its own BV v channels. The q/k conv of a head is therefore computed NV times, W multiply-adds per
+channel: nothing next to the [K, BV] fp32 state tile each program streams in and out.
+
+Tail update (conv_state[slot] <- the last W - 1 inputs), race-free:
+* v channels: program (i_v, n, h) is their only reader and writer. It writes the new tail after
+  a CTA barrier, because its threads write positions that other threads of it read.
+* q/k channels of head h: read by all NV programs of (n, h), so none may be overwritten while
+  another program may still read it. Each program, once its reads are done (CTA barrier), adds 1
+  to counter[n * H + h] with an acq_rel atomic; the one that gets NV - 1 back is the last. Every
+  other program's reads come before its release, which the last one's acquire synchronises with,
+  so the last program alone writes the new q/k tail (from the window it holds in registers: the
+  old tail and the new input) and resets the counter to 0. Which program is last varies from run
+  to run; what it writes does not (all NV read the same window), so the result is deterministic.
+The counters (one int32 per (row, head); keyed by the batch row, not the slot, because CUDA-graph
+padding rows may share a scratch slot) are allocated once per device and reused; every launch
+leaves them at zero, so the kernel can be captured in a CUDA graph. Launches that use them must
+not overlap, i.e. run on one stream (as the engine does).
+
+Tried on the H200 without a gain beyond noise (batch 1, graph-replayed, ~0.1-0.3 us): CTA
+barriers between the load groups (ptxas issues some tail loads only after math that waits for
+the first ones; the barriers keep every load ahead of the math, but cost as much at batch >= 4)
+and the arrival count done by one thread in inline PTX with its result broadcast after the KDA
+step (Triton's scalar atomic makes every thread wait for the round trip at once).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from volundr.kernels import pdl
+from volundr.kernels.kda.fused_recurrent import kda_update
+from volundr.kernels.kda.utils import softplus
+
+
+@triton.jit
+def _load_new(x, cw, ch, m, W: tl.constexpr):
+    """For one token's conv at channels ch [B] (mask m): the new inputs x[ch] and the weights
+    cw[ch, j] of taps j = 0, 1, 2 and W - 1 (the newest), fp32; taps j >= W - 1 of the first
+    three are 0 (W <= 4). x: the token's row of inputs; cw [C, W]."""
+    b_x = tl.load(x + ch, mask=m, other=0.0).to(tl.float32)
+    w0 = tl.load(cw + ch * W, mask=m & (W > 1), other=0.0).to(tl.float32)
+    w1 = tl.load(cw + ch * W + 1, mask=m & (W > 2), other=0.0).to(tl.float32)
+    w2 = tl.load(cw + ch * W + 2, mask=m & (W > 3), other=0.0).to(tl.float32)
+    wn = tl.load(cw + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
+    return b_x, w0, w1, w2, wn
+
+
+@triton.jit
+def _load_tail(st, ch, m, W: tl.constexpr):
+    """The carried inputs st[ch, j], j = 0, 1, 2 (oldest first; 0 for j >= W - 1), fp32.
+    st: the sequence's tail rows [C, W - 1]."""
+    p = st + ch * (W - 1)
+    t0 = tl.load(p, mask=m & (W > 1), other=0.0).to(tl.float32)
+    t1 = tl.load(p + 1, mask=m & (W > 2), other=0.0).to(tl.float32)
+    t2 = tl.load(p + 2, mask=m & (W > 3), other=0.0).to(tl.float32)
+    return t0, t1, t2
+
+
+@triton.jit
+def _conv_silu(b_x, w0, w1, w2, wn, t0, t1, t2, dtype: tl.constexpr):
+    """SiLU of the conv, rounded to `dtype` as the unfused path hands it over, back in fp32."""
+    acc = t0 * w0 + t1 * w1 + t2 * w2 + b_x * wn
+    return (acc * tl.sigmoid(acc)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_tail(st, ch, m, b_x, t1, t2, W: tl.constexpr):
+    """The new tail: the window without its oldest input (t1, t2 shift down, x is the newest)."""
+    p = st + ch * (W - 1)
+    ty = st.dtype.element_ty
+    if W > 2:
+        tl.store(p, t1.to(ty), mask=m)
+    if W > 3:
+        tl.store(p + 1, t2.to(ty), mask=m)
+    tl.store(p + (W - 2), b_x.to(ty), mask=m)
+
+
+@triton.jit
+def _kda_decode_kernel(
+    x, cw, cs, g, beta, o, h, slot_ids, cnt, A_log, dt_bias, scale,
+    s_xt, s_gt, s_gh, s_bt, s_bh,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    W: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+):
+    """x [T, C] raw q|k|v (row stride s_xt), C = 2HK + HV; cw [C, W]; cs [slots, C, W - 1];
+    g [T, H, K] and beta [T, H] logits (strides s_g*, s_b*); o [T, H, V]; h [slots, H, K, V] fp32;
+    slot_ids [T]; cnt [>= T * H] int32 zeros. Grid (cdiv(V, BV), T * H)."""
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
+    NV: tl.constexpr = (V + BV - 1) // BV
+    C: tl.constexpr = 2 * H * K + H * V
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_t = i_n.to(tl.int64)  # token i_n is sequence i_n's only token
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    c_q = i_h * K + o_k
+    c_k = H * K + c_q
+    c_v = 2 * H * K + i_h * V + o_v
+    # What does not depend on the slot id first, so that its loads overlap the slot id's.
+    slot = tl.load(slot_ids + i_n).to(tl.int64)
+    xt = x + i_t * s_xt
+    x_q, w0_q, w1_q, w2_q, wn_q = _load_new(xt, cw, c_q, m_k, W)
+    x_k, w0_k, w1_k, w2_k, wn_k = _load_new(xt, cw, c_k, m_k, W)
+    x_v, w0_v, w1_v, w2_v, wn_v = _load_new(xt, cw, c_v, m_v, W)
+    b_g = tl.load(g + i_t * s_gt + i_h * s_gh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + i_t * s_bt + i_h * s_bh).to(tl.float32)
+    b_a = tl.load(A_log + i_h).to(tl.float32)
+    if HAS_DT_BIAS:
+        b_g += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    p_o = o + (i_t * H + i_h) * V + o_v
+    if slot < 0:  # padding row (a CUDA-graph batch larger than the live one): no state, o = 0
+        tl.store(p_o, tl.zeros([BV], dtype=o.dtype.element_ty), mask=m_v)
+        return
+    p_h = h + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
+    st = cs + slot * C * (W - 1)
+    t0_v, t1_v, t2_v = _load_tail(st, c_v, m_v, W)
+    t0_q, t1_q, t2_q = _load_tail(st, c_q, m_k, W)
+    t0_k, t1_k, t2_k = _load_tail(st, c_k, m_k, W)
+
+    dt = x.dtype.element_ty
+    b_q = _conv_silu(x_q, w0_q, w1_q, w2_q, wn_q, t0_q, t1_q, t2_q, dt)
+    b_k = _conv_silu(x_k, w0_k, w1_k, w2_k, wn_k, t0_k, t1_k, t2_k, dt)
+    b_v = _conv_silu(x_v, w0_v, w1_v, w2_v, wn_v, t0_v, t1_v, t2_v, dt)
+    b_g = -tl.exp(b_a) * softplus(b_g)  # the gate (kda_gate_act), on the preloaded operands
+
+    # every thread of this program has read the old tails before any of them is overwritten
+    tl.debug_barrier()
+    # q/k: count this program's reads done (release); the last of the head's NV programs sees
+    # every other one's reads done (acquire). Before the v-tail store, which the release fence
+    # would otherwise wait for.
+    done = tl.atomic_add(cnt + i_nh, 1, sem="acq_rel")
+    _store_tail(st, c_v, m_v, x_v, t1_v, t2_v, W)  # this program's own channels
+
+    b_h, b_o = kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k, scale, K,
+                          True, False, False, True)
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_h)
+    if done == NV - 1:
+        _store_tail(st, c_q, m_k, x_q, t1_q, t2_q, W)
+        _store_tail(st, c_k, m_k, x_k, t1_k, t2_k, W)
+        tl.atomic_xchg(cnt + i_nh, 0, sem="relaxed")  # ready for the next launch
+
+
+# Launch settings (perf/kernels/bench_kda.py --decode-only --fused-variants times them). H200,
+# graph-replayed, us per layer (two kernels -> this one): batch 1 10.9 -> 9.6, 4 15.2 -> 13.7,
+# 8 22.9 -> 21.9, 16 34.1 -> 34.2, 64 106.5 -> 110.9 with BV 32 and 2 warps, the best setting at
+# every batch there (BV 16: batch 4 16.8, 64 116; 4 warps: 64 116).
+CONFIG = {"BV": 32, "num_warps": 2}
+
+_COUNTERS: dict = {}
+_RETIRED: list = []  # outgrown counters: CUDA graphs captured earlier still point into them
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, kept per device and grown on demand (each launch leaves them 0)."""
+    key = (device.type, device.index)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        _RETIRED.append(cnt)
+        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = cnt
+    return cnt
+
+
+def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+               g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
+               scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, BV: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
+    """One decode step of a KDA layer (one token per sequence): conv + SiLU over the raw q|k|v
+    projections with each sequence's carried tail, then the KDA step, in one launch.
+
+    qkv: [T, C], C = 2 * H * K + H * V, channels q | k | v, head h's q channels h*K .. h*K+K-1
+    (unit column stride, any row stride); conv_weight [C, W] (the last tap multiplies the newest
+    input); conv_state [slots, C, W - 1] (oldest first), row slot_ids[n] updated in place to the
+    last W - 1 inputs; g [T, H, K] raw gate logits (g = -exp(A_log[h]) * softplus(g + dt_bias));
+    beta [T, H] logits (sigmoid in the kernel); g and beta with any token/head strides (g's last
+    dim contiguous); state [slots, H, K, V] fp32, row slot_ids[n] updated in place; slot_ids [T]
+    (negative: a padding row, left alone, o = 0). q and k are L2-normed in the kernel.
+    Returns o [T, H, V] in qkv.dtype (the math of `conv.causal_conv1d` + `fused_recurrent_kda`).
+    """
+    T, C = qkv.shape
+    _, H, K = g.shape
+    V = state.shape[-1]
+    W = conv_weight.shape[-1]
+    if C != 2 * H * K + H * V or conv_weight.shape[0] != C or conv_state.shape[1:] != (C, W - 1):
+        raise ValueError(f"qkv {tuple(qkv.shape)}, conv weight {tuple(conv_weight.shape)} and "
+                         f"state {tuple(conv_state.shape)} do not fit H={H}, K={K}, V={V}")
+    if not 2 <= W <= 4:  # the kernel holds the taps in named registers
+        raise ValueError(f"kda_decode takes convs of width 2 to 4, not {W}")
+    if state.shape[1:3] != (H, K) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous fp32 [slots, {H}, {K}, V] pool")
+    if not conv_state.is_contiguous():
+        raise ValueError("conv_state must be contiguous")
+    if slot_ids.shape[0] != T or beta.shape != (T, H):
+        raise ValueError("one slot id and one beta row per token")
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    conv_weight = conv_weight.contiguous()  # a no-op for the engine's (built once, contiguous)
+    o = out if out is not None else qkv.new_empty(T, H, V)
+    if T == 0:
+        return o
+    BK = triton.next_power_of_2(K)
+    BV = min(BV or CONFIG["BV"], triton.next_power_of_2(V))
+    num_warps = num_warps or CONFIG["num_warps"]
+    cnt = _counters(qkv.device, T * H)
+    _kda_decode_kernel[(triton.cdiv(V, BV), T * H)](
+        qkv, conv_weight, conv_state, g, beta, o, state, slot_ids, cnt, A_log, dt_bias, scale,
+        qkv.stride(0), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        H=H, K=K, V=V, BK=BK, BV=BV, W=W,
+        HAS_DT_BIAS=dt_bias is not None, num_warps=num_warps, launch_pdl=pdl.ON.value)
+    return o
