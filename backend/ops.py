@@ -86,32 +86,32 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 
 def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                g_raw: torch.Tensor, beta_raw: torch.Tensor, state: torch.Tensor,
-               slot_ids: torch.Tensor, scale: float, A_log: torch.Tensor,
-               dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """A KDA layer's decode step (one token per sequence, T == N): `causal_conv` (+ SiLU) over the
-    raw q|k|v projections qkv [T, 3HK] (q, k, v each [H, K] per token) with conv_state, then
-    `kda_mixer` with gate logits g_raw [T, H, K] and beta logits [T, H]; both states updated in
-    place at slot_ids [T]. A negative slot id is a padding row: no state touched, and its o
-    row is not to be used (0 here and from the fused kernel). Returns o [T, H, V]. On CUDA one
-    kernel does all of it at small batch (kernels/kda/engine.py)."""
+               slot_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_list: list[int],
+               scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """A KDA layer's decode step (one token per sequence, T == N; cu_seqlens / cu_list are
+    arange(T + 1)): `causal_conv` (+ SiLU) over the raw q|k|v projections qkv [T, 3HK] (q, k, v
+    each [H, K] per token) with conv_state, then `kda_mixer` with gate logits g_raw [T, H, K]
+    and beta logits [T, H]; both states updated in place at slot_ids [T]. A negative slot id is
+    a padding row: no state touched, and its o row is not to be used. Returns o [T, H, V].
+    On CUDA one kernel does all of it at small batch (kernels/kda/engine.py `decode_fits`)."""
     fast = _fast(qkv, "kda")
-    if fast is not None:
+    T, (_, H, K), V = qkv.shape[0], g_raw.shape, state.shape[-1]
+    if fast is not None and fast.decode_fits(T, conv_weight.shape[-1]):
         return fast.kda_decode(qkv, conv_weight, conv_state, g_raw, beta_raw, state, slot_ids,
                                scale, A_log, dt_bias)
-    T, (_, H, K), V = qkv.shape[0], g_raw.shape, state.shape[-1]
-    live = slot_ids >= 0
-    if not bool(live.all()):  # padding rows: as the kernel, skip them
+    if fast is None and not bool((slot_ids >= 0).all()):
+        # padding rows (the kernels skip them; the naive ops would index with -1): the live rows
         o = qkv.new_zeros(T, H, V)
-        i = live.nonzero().squeeze(1)
+        i = (slot_ids >= 0).nonzero().squeeze(1)
+        n = i.numel()
+        cu = torch.arange(n + 1, dtype=torch.int32, device=qkv.device)
         o[i] = kda_decode(qkv[i], conv_weight, conv_state, g_raw[i], beta_raw[i], state,
-                          slot_ids[i], scale, A_log, dt_bias)
+                          slot_ids[i], cu, list(range(n + 1)), scale, A_log, dt_bias)
         return o
-    cu = torch.arange(T + 1, dtype=torch.int32, device=qkv.device)
-    y = causal_conv(qkv, conv_weight, conv_state, slot_ids, cu, activation="silu")
+    y = causal_conv(qkv, conv_weight, conv_state, slot_ids, cu_seqlens, activation="silu")
     q, k = y[:, :H * K].view(T, H, K), y[:, H * K:2 * H * K].view(T, H, K)
-    v = y[:, 2 * H * K:].view(T, H, V)
-    return kda_mixer(q, k, v, g_raw, beta_raw, A_log, dt_bias, state, slot_ids, cu,
-                     list(range(T + 1)), scale)
+    return kda_mixer(q, k, y[:, 2 * H * K:].view(T, H, V), g_raw, beta_raw, A_log, dt_bias,
+                     state, slot_ids, cu_seqlens, cu_list, scale)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).parent
 RUNS = {"run 1": "decode_run1.json", "run 3": "decode_run3.json", "run 4": "decode_run4.json",
         "run 5": "decode_run5.json", "run 6": "decode_run6.json",
-        "run 6 PDL": "decode_run6_pdl.json"}
+        "run 6 PDL": "decode_run6_pdl.json", "run 8": "decode_run8.json"}
 
 
 def plot_decode(out: Path) -> None:

@@ -233,12 +233,16 @@ def decode_reference(x, w, cs, pool, A_log, dt_bias, H, K, V, scale):
 
 
 def check_decode(Ns, H, K, V, W, dtype, tol, device="cpu", steps=3, extra_cols=0, pad=(),
-                 BV=None, naive=True, via_engine=False):
+                 BV=None, naive=True, via_ops=False):
     """kda_decode (conv + KDA in one launch) == engine.causal_conv + engine.kda_mixer (the two
     kernels) == the naive reference, over consecutive decode steps (so the carried conv tails
     and states are checked, not only one step's output); untouched slots stay untouched and the
-    arrival counters are back at zero after every launch. via_engine: engine.kda_decode (which
-    takes the two kernels for convs wider than 4)."""
+    arrival counters are back at zero after every launch. via_ops: ops.kda_decode with the
+    kernels on every device (it takes the two kernels for convs wider than 4 or above
+    engine.DECODE_FUSED_MAX_T sequences)."""
+    from unittest import mock
+
+    from volundr import ops
     from volundr.kernels.kda import decode, engine
     slots = max(Ns) + 3
     C, scale = 2 * H * K + H * V, K ** -0.5
@@ -259,12 +263,13 @@ def check_decode(Ns, H, K, V, W, dtype, tol, device="cpu", steps=3, extra_cols=0
                          ids=x["ids"])
             args = (x["qkv"], w, fused[0], x["g"], x["beta"], fused[1], x["ids"], scale, A_log,
                     dt_bias)
-            if via_engine:
-                o = engine.kda_decode(*args)
+            cu = torch.arange(N + 1, dtype=torch.int32, device=device)
+            if via_ops:  # the kernels also for CPU tensors (the interpreter)
+                with mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name)):
+                    o = ops.kda_decode(*args[:7], cu, list(range(N + 1)), *args[7:])
             else:
                 o = decode.kda_decode(*args, BV=BV)
                 assert not decode._COUNTERS[(o.device.type, o.device.index)].any(), "counters"
-            cu = torch.arange(N + 1, dtype=torch.int32, device=device)
             y = engine.causal_conv(x["qkv"], w, split[0], x["ids"], cu)
             q, k = y[:, :H * K].view(N, H, K), y[:, H * K:2 * H * K].view(N, H, K)
             o2 = engine.kda_mixer(q, k, y[:, 2 * H * K:].view(N, H, V), x["g"], x["beta"],
@@ -275,7 +280,7 @@ def check_decode(Ns, H, K, V, W, dtype, tol, device="cpu", steps=3, extra_cols=0
             assert torch.equal(fused[0], split[0]), f"{what}: conv state != two kernels"
             errs = [rel(o[live], o2[live]), rel(fused[1], split[1])]
             assert max(errs) < tol, f"{what} vs two kernels: {errs}"
-            if not via_engine:  # (the two kernels leave padding rows' o undefined)
+            if not via_ops:  # (the two kernels leave padding rows' o undefined)
                 assert not o[x["ids"] < 0].any(), f"{what}: padding rows' o is not 0"
             if naive:
                 _, o3 = decode_reference(x, w, ref[0], ref[1], A_log, dt_bias, H, K, V, scale)
@@ -293,7 +298,9 @@ def check_ops_decode(N=4, H=2, K=16, V=16, W=4, pad=(1,)):
     cs, pool = torch.randn(slots, C, W - 1), torch.randn(slots, H, K, V)
     cs2, pool2 = cs.clone(), pool.clone()
     x = make_decode(N, H, K, V, W, torch.float32, "cpu", slots, pad, extra_cols=6)
-    o = ops.kda_decode(x["qkv"], w, cs, x["g"], x["beta"], pool, x["ids"], scale, A_log, dt_bias)
+    cu = torch.arange(N + 1, dtype=torch.int32)
+    o = ops.kda_decode(x["qkv"], w, cs, x["g"], x["beta"], pool, x["ids"], cu, list(range(N + 1)),
+                       scale, A_log, dt_bias)
     live, o_ref = decode_reference(x, w, cs2, pool2, A_log, dt_bias, H, K, V, scale)
     assert torch.equal(cs, cs2) and rel(pool, pool2) < 1e-6 and rel(o[live], o_ref) < 1e-6
     assert not o[x["ids"] < 0].any()
@@ -328,9 +335,9 @@ INTERPRETER_CASES = {
     "decode_fused_fp16_bv8_v16": lambda: check_decode([2, 5], 4, 32, 16, 4, f16, 5e-3, pad=(0,),
                                                       extra_cols=6, BV=8),
     "decode_fused_w3_k24": lambda: check_decode([3], 2, 24, 32, 3, f32, 1e-5, BV=16),
-    # engine.kda_decode: fused (W = 2), the two kernels for W = 5 and above DECODE_FUSED_MAX_T
-    "decode_engine_dispatch": lambda: [check_decode([n], 2, 16, 16, w, f32, 1e-5, steps=2,
-                                                    via_engine=True, pad=(1,))
+    # ops.kda_decode: fused (W = 2), the two kernels for W = 5 and above DECODE_FUSED_MAX_T
+    "decode_ops_dispatch": lambda: [check_decode([n], 2, 16, 16, w, f32, 1e-5, steps=2,
+                                                 via_ops=True, pad=(1,))
                                        for n, w in ((3, 2), (3, 5), (17, 4))],
 }
 

@@ -271,7 +271,7 @@ def run_cpu(group: str) -> None:
             check_matmul(40, 64, 256, bits, 128, "cpu", _seed(), block_m=16, bn=32, splits=1)
             check_dequant(7, 100, 256, bits, 64, "cpu", _seed(), chunk_n=48)
             check_engine(96, 256, bits, 128, "cpu", _seed())
-            for m in (3, 20):  # 16-row tiles, and per input (prefill)
+            for m in (3, 20, 130):  # 16-row tiles, 64-row tiles, dequantise + matmul
                 check_grouped(m, 128, 128, bits, 128, "cpu", _seed(), j=3)
 
 
@@ -754,7 +754,7 @@ def test_cuda_engine_swiglu_in_down(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_cuda_grouped_low_rank_pair(bits):
     """KDA's f_b + g_b shape (2 x 5120 x 128) in one launch, bf16, decode to prefill sizes."""
-    for m in (1, 4, 16, 40):
+    for m in (1, 4, 16, 40, 300):
         check_grouped(m, 5120, 128, bits, 128, "cuda", _seed(), tol=8e-3, dtype=torch.bfloat16)
 
 

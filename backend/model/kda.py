@@ -89,8 +89,9 @@ class KDA(nn.Module):
         beta = xs[:, 2 * r:]
         # decay and beta stay logits: the KDA kernels apply softplus / exp / sigmoid
         if b.max_q_len == 1:  # decode: conv and recurrence in one kernel on CUDA
-            o = ops.kda_decode(qkv, self.qkv_conv_weight, self.conv_state, f, beta,
-                               self.state, b.slot_ids, K ** -0.5, self.A_log, self.dt_bias)
+            o = ops.kda_decode(qkv, self.qkv_conv_weight, self.conv_state, f, beta, self.state,
+                               b.slot_ids, b.cu_seqlens, b.cu_list, K ** -0.5, self.A_log,
+                               self.dt_bias)
         else:
             qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
                                   b.cu_seqlens, activation="silu")  # [T, 3 * H * K]

@@ -6,8 +6,9 @@ has at most `DECODE_MAX_LEN` new tokens (decode, speculative verification) take 
 token-by-token kernel; anything longer takes the chunked kernels over the whole packed batch.
 
 kda_decode: a decode step (one token per sequence) of the whole mixer, conv included: what
-`causal_conv` followed by `kda_mixer` computes for that step; in one launch (decode.py) up to
-`DECODE_FUSED_MAX_T` sequences, the two kernels above that.
+`causal_conv` followed by `kda_mixer` computes for that step, in one launch (decode.py), taken
+where `decode_fits` (up to `DECODE_FUSED_MAX_T` sequences); `ops.kda_decode` runs the two
+above that.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from volundr.kernels.kda.chunk import chunk_kda
 from volundr.kernels.kda.conv import causal_conv1d
-from volundr.kernels.kda.decode import kda_decode as _kda_decode
+from volundr.kernels.kda.decode import kda_decode  # noqa: F401  (re-exported for ops)
 from volundr.kernels.kda.fused_recurrent import fused_recurrent_kda
 
 # Up to this many tokens per sequence the recurrent kernel (one pass over the state per token)
@@ -72,33 +73,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                          one_token_per_seq=x.shape[0] == slot_ids.shape[0])
 
 
-_DECODE_CU: dict = {}
-
-
-def _decode_cu_seqlens(T: int, device: torch.device) -> torch.Tensor:
-    """arange(T + 1) int32 on `device`, made once per size (no kernel per call, and the tensor a
-    CUDA graph captured stays alive)."""
-    key = (T, device.type, device.index)
-    if key not in _DECODE_CU:
-        _DECODE_CU[key] = torch.arange(T + 1, dtype=torch.int32, device=device)
-    return _DECODE_CU[key]
-
-
-def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
-               g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
-               scale: float, A_log: torch.Tensor,
-               dt_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One decode step: qkv [T, 3HK] raw projections (unit column stride, any row stride), conv
-    weight [3HK, W], conv_state [slots, 3HK, W - 1] and state [slots, H, K, V] fp32 updated in
-    place at slot_ids [T] (negative: padding, no state touched; its o row is not to be used);
-    g [T, H, K] and beta [T, H] raw logits (any token strides). Returns o [T, H, V]."""
-    if conv_weight.shape[-1] <= 4 and qkv.shape[0] <= DECODE_FUSED_MAX_T:
-        return _kda_decode(qkv, conv_weight, conv_state, g, beta, state, slot_ids, scale, A_log,
-                           dt_bias)
-    # larger batches and wider convs (none in Volundr): the two kernels
-    T, (_, H, K) = qkv.shape[0], g.shape
-    cu = _decode_cu_seqlens(T, qkv.device)
-    y = causal_conv(qkv, conv_weight, conv_state, slot_ids, cu)
-    q, k = y[:, :H * K].view(T, H, K), y[:, H * K:2 * H * K].view(T, H, K)
-    return kda_mixer(q, k, y[:, 2 * H * K:].view(T, H, -1), g, beta, state, slot_ids, cu,
-                     list(range(T + 1)), scale, A_log=A_log, dt_bias=dt_bias)
+def decode_fits(T: int, conv_width: int) -> bool:
+    """Whether `kda_decode` (the one-launch decode step, decode.py) takes a step of T sequences
+    with a conv this wide; otherwise `ops.kda_decode` runs `causal_conv` and `kda_mixer`."""
+    return conv_width <= 4 and T <= DECODE_FUSED_MAX_T

@@ -22,7 +22,7 @@ import torch
 
 from volundr.kernels.norm.engine import swiglu as swiglu_kernel
 from volundr.kernels.quant import gemm_tc, gemv_tc
-from volundr.kernels.quant.gemm import dequant_matmul
+from volundr.kernels.quant.gemm import dequant_matmul, dequantize_t
 from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 
 # M = 1: (bn, num_warps, waves, prefetch) per bit width; rows per thread = bn / (128 num_warps)
@@ -35,7 +35,13 @@ GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, 
 GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "tc")
 if GEMV_PATH not in ("fma", "tc"):
     raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma or tc, not {GEMV_PATH!r}")
-GEMV_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=24.0) for b in (2, 3, 4)}
+# maxnreg 128 (H200 sweep, perf/RESULTS.md "Session 5"): 2-bit (148 registers uncapped, one
+# warp more per SM capped) 1-9% faster at the engine's shapes (5120x5120: 4% slower, unused at
+# 2 bits); 4-bit (110 uncapped: the cap only changes ptxas's schedule) the lm_head 1.30x, the
+# others within -1%..+2%; 3-bit spills under the cap (10-30% slower) and keeps its 168.
+GEMV_TC_CONFIG = {2: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
+                  3: dict(reps=2, num_warps=1, waves=24.0),
+                  4: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128)}
 TC_MIN_DIM = 4096
 BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
 # 2 <= M <= 16 on the tensor cores with x^T as the mma's B operand (gemm_tc.py: gemv_tc's
@@ -95,7 +101,9 @@ def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz
     stacked along N (output rows j N/J .. (j + 1) N/J - 1 belong to input j) -> y [M, N].
 
     KDA's f_b and g_b (5120 x 128 each, on the two low-rank halves): at decode one launch of
-    the FMA GEMV / 16-row tiles instead of two (each ~3 us, almost all launch latency)."""
+    the FMA GEMV / 16-row tiles instead of two (each ~3 us, almost all launch latency); the
+    64-row tiles up to FUSED_MAX_M rows; above, one dequantisation and J cuBLAS matmuls (no
+    per-call copies of weight slices)."""
     m, j, k = x.shape
     n = qa.shape[1]
     nj = n // j
@@ -106,9 +114,9 @@ def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz
     if 1 < m <= MAX_M and nj % BATCH_CONFIG["bn"] == 0:
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=MAX_M,
                                    **BATCH_CONFIG)
-    # prefill: one matmul per input (the kernels want whole planes: slices are copied)
-    cols = [slice(i * nj, (i + 1) * nj) for i in range(j)]
-    return torch.cat([quant_matmul(x[:, i], qa[:, c].contiguous(),
-                                   qb[:, c].contiguous() if qb.numel() else qb,
-                                   sz[:, c].contiguous(), bits, group_size)
-                      for i, c in enumerate(cols)], dim=-1)
+    if m <= FUSED_MAX_M and nj % PREFILL_CONFIG["bn"] == 0:
+        return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=64,
+                                   **PREFILL_CONFIG)
+    # long prefill: W^T [K, N] dequantised once, then one cuBLAS matmul per input
+    wt = dequantize_t(qa, qb, sz, bits, group_size, k, dtype=x.dtype)
+    return torch.cat([x[:, i] @ wt[:, i * nj:(i + 1) * nj] for i in range(j)], dim=-1)

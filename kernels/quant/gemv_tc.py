@@ -492,13 +492,14 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
 def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
             group_size: int, out: torch.Tensor | None = None, reps: int = 4,
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
-            swiglu: bool = False) -> torch.Tensor:
+            swiglu: bool = False, maxnreg: int | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
 
     reps: 32-row slabs per warp (BN = 32 reps num_warps rows per program); split-K over sets
-    of 4 groups to about `waves` programs per SM (or `splits`)."""
+    of 4 groups to about `waves` programs per SM (or `splits`). maxnreg: a register cap per
+    thread (more resident warps per SM, so more weight loads in flight; spills if too low)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -526,5 +527,6 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
-        SWIGLU=swiglu, num_warps=num_warps, launch_pdl=pdl.ON.value)
+        SWIGLU=swiglu, num_warps=num_warps, launch_pdl=pdl.ON.value,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out

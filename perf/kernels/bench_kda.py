@@ -316,7 +316,7 @@ def decode_one(B: int) -> dict:
     def layer():
         return mixer(conv())
 
-    def fused():  # the kernel itself (engine.kda_decode takes the two kernels at large batch)
+    def fused():  # the kernel itself (ops.kda_decode takes the two kernels at large batch)
         return ours_decode.kda_decode(xc, wc, cs, g_raw, b_raw, pool, ids, scale, A_log, dt_bias)
 
     # the fused step == the two kernels (output, both states) before either is timed

@@ -214,18 +214,23 @@ def plot(data: dict, path: str) -> None:
 # --m1-compare: the engine's FMA config per bit width vs tensor-core configs (reps, warps,
 # waves): BN = 128 rows per 1-warp program, split-K to ~8 or ~16 programs per SM, and BN = 64
 # (twice the programs; waves 24: one set of 4 groups per program at K = 5120)
-TC_CFGS = [(4, 1, 8.0), (4, 1, 16.0), (2, 1, 24.0)]
+TC_CFGS = [dict(reps=4, num_warps=1, waves=8.0), dict(reps=4, num_warps=1, waves=16.0),
+           dict(reps=2, num_warps=1, waves=24.0)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
 # the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up
 M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
 
 
-def parse_cfgs(text: str) -> list[tuple[int, int, float]]:
-    """"reps,warps,waves;..." -> [(reps, warps, waves), ...] (--tc-configs)."""
+def parse_cfgs(text: str) -> list[dict]:
+    """"reps,warps,waves[,maxnreg];..." -> [dict(reps=, num_warps=, waves=[, maxnreg=]), ...]
+    (--tc-configs; maxnreg: gemv_tc's register cap, M = 1 only)."""
     out = []
     for part in filter(None, text.split(";")):
-        r, w, wv = part.split(",")
-        out.append((int(r), int(w), float(wv)))
+        f = part.split(",")
+        cfg = dict(reps=int(f[0]), num_warps=int(f[1]), waves=float(f[2]))
+        if len(f) > 3:
+            cfg["maxnreg"] = int(f[3])
+        out.append(cfg)
     return out
 
 
@@ -293,7 +298,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
             ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
             bn, nw, waves, pf = GEMV_CONFIG[bits]
             variants = [("fma", dict(bn=bn, num_warps=nw, waves=waves, prefetch=pf))]
-            variants += [("tc", dict(reps=r, num_warps=w, waves=wv)) for r, w, wv in tc_cfgs]
+            variants += [("tc", dict(c)) for c in tc_cfgs]
             for name, kw in variants:
                 rec = {"n": n, "k": k, "bits": bits, "variant": name, **kw, "bytes": nbytes,
                        "copies": copies}
@@ -326,7 +331,8 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
 # --m16-compare: tensor-core GEMM configs (reps, warps, waves): BN = 64 rows per 1-warp program
 # with split-K to ~8 / ~4 programs per SM (the fp32 partials grow with M), BN = 128 (4 reps:
 # the X/B mma and x pair build shared by twice the rows; ~240 registers, no spills) at ~4
-GEMM16_CFGS = [(2, 1, 8.0), (2, 1, 4.0), (4, 1, 4.0)]
+GEMM16_CFGS = [dict(reps=2, num_warps=1, waves=8.0), dict(reps=2, num_warps=1, waves=4.0),
+               dict(reps=4, num_warps=1, waves=4.0)]
 M16_MS = [2, 4, 8, 16]
 M16_SMOKE_SHAPES = [(96, 256)]
 
@@ -354,7 +360,7 @@ def m16_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 ref = x.float() @ w.t()
                 variants = [("tile", dict(BATCH_CONFIG))]
-                variants += [("tc", dict(reps=r, num_warps=w, waves=wv)) for r, w, wv in tc_cfgs]
+                variants += [("tc", dict(c)) for c in tc_cfgs]
                 for name, kw in variants:
                     rec = {"n": n, "k": k, "bits": bits, "m": m, "variant": name, **kw,
                            "bytes": nbytes, "copies": copies}
@@ -405,7 +411,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     ap.add_argument("--tc-configs", default="",
-                    help='--m1/--m16-compare: tensor-core configs "reps,warps,waves;..." '
+                    help='--m1/--m16-compare: tensor-core configs "reps,warps,waves[,maxnreg];..." '
                          "instead of the built-in list")
     args = ap.parse_args(argv)
     if args.m1_compare or args.m16_compare:
