@@ -1,11 +1,12 @@
-"""Programmatic dependent launch (sm_90+), opt-in with VOLUNDR_PDL=1 (read once at import).
+"""Programmatic dependent launch (PDL): on by default on sm_90+ GPUs (H100, H200), where
+VOLUNDR_PDL=0 turns it off (and VOLUNDR_PDL=1 forces it); read once at import.
 
-A batch-1 decode step is a chain of ~900 short kernels, and each mixed-bit GEMV pays its launch
-and its first trip to HBM after the kernel before it has drained (perf/RESULTS.md: a 5120x5120
-call takes 8-10 us for 2-7 MB of weights). With PDL a GEMV is launched while its predecessor
-still runs, fetches the weights it will need first (which no earlier kernel writes) and only
-then waits for the predecessor (`griddepcontrol.wait`: its whole grid finished, memory
-visible) before it reads x or writes anything.
+A batch-1 decode step is a chain of ~680 short kernels, and each pays its launch and its
+first trip to HBM after the kernel before it has drained (perf/RESULTS.md: a 5120x5120 GEMV
+takes ~10 us for 14 MB of weights). With PDL a kernel is launched while its predecessor still
+runs and waits for it (`griddepcontrol.wait`: its whole grid finished, memory visible) before
+it reads anything the predecessor wrote: the launch and the programs' start overlap the
+predecessor's tail.
 
 Rules that keep it correct:
 * `trigger()` at the top of a kernel lets a PDL-launched successor start once every program of
@@ -13,27 +14,39 @@ Rules that keep it correct:
 * A PDL-launched kernel calls `wait()` on every path, before it reads anything an earlier kernel
   wrote and before its first store or atomic: then its completion still implies its
   predecessors' (ordering stays transitive along the stream).
-Only the GEMVs are launched with PDL (`launch_pdl=ON`); the kernels that precede them trigger.
-Off by default: on the H200 (run 6, perf/RESULTS.md) it gave the same tokens but made the
-Volundr-32B decode step slower (graph 8.90 vs 7.87 ms), the GEMVs themselves included; why is
-not analysed yet.
+The decode chain's kernels (GEMVs, norms, KDA, conv, attention) launch with PDL (`launch_pdl=ON`).
+
+Measured on the H200 (perf/RESULTS.md, session 5, run 9, same tree and run): Volundr-32B decode
+graph 7.27 -> 7.07 ms per token, 131.5 -> 134.5 tok/s, the same greedy tokens. The tensor-core
+GEMVs can also prefetch their weights into L2 before waiting (VOLUNDR_PDL_PREFETCH=1); with
+them run 6 was slower than without PDL (graph 8.90 vs 7.87 ms): the prefetches compete with the
+running kernel for HBM. They are off by default.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# no PTX under the CPU interpreter: there both helpers compile to nothing
-ON = tl.constexpr(os.environ.get("VOLUNDR_PDL") == "1"
-                  and os.environ.get("TRITON_INTERPRET") != "1")
-# With PDL, the tensor-core GEMVs also prefetch their weights into L2 before waiting;
-# VOLUNDR_PDL_PREFETCH=0 keeps only the early launch (to tell the two effects apart: the
-# prefetches compete with the running kernel for the same HBM bandwidth)
-PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "1") == "1"
+
+def _enabled() -> bool:
+    """VOLUNDR_PDL if set; else whether GPU 0 is sm_90+ (PDL and griddepcontrol need Hopper).
+    Never under the CPU interpreter (no PTX: both helpers compile to nothing there)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    env = os.environ.get("VOLUNDR_PDL")
+    if env is not None:
+        return env == "1"
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
+
+
+ON = tl.constexpr(_enabled())
+# With PDL, the tensor-core GEMVs can also prefetch their weights into L2 before waiting
+PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "0") == "1"
 
 
 @triton.jit

@@ -6,8 +6,9 @@
 # env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
 #      BENCH_TIMEOUT; TC_CONFIGS / TC16_CONFIGS ("reps,warps,waves;...": the tensor-core configs
-#      that gemv / gemm16 compare; GEMV_TIMEOUT, GEMM16_TIMEOUT); PDL_TESTS / PDL_VARIANTS: tests / variants run again with VOLUNDR_PDL=1
-#      (programmatic dependent launch, kernels/pdl.py; decode_pdl.json).
+#      that gemv / gemm16 compare; GEMV_TIMEOUT, GEMM16_TIMEOUT); NOPDL_TESTS / NOPDL_VARIANTS:
+#      tests / variants run again with VOLUNDR_PDL=0 (programmatic dependent launch, kernels/pdl.py, is on by default on sm_90;
+#      decode_nopdl.json).
 # Output under $OUT, few files (the device returns about 8): env.txt, gpu_tests.log (-v: one
 # line per test, readable even when a timeout cuts the run), bench.log, gemv_compare.json,
 # gemm16_compare.json, kda_intra.jsonl, decode.json, profiles.txt.
@@ -32,11 +33,11 @@ if [ "$PART" != bench ]; then
   timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
     -k "cuda or gpu" > "$OUT/gpu_tests.log" 2>&1
   tail -5 "$OUT/gpu_tests.log"
-  if [ -n "${PDL_TESTS:-}" ]; then  # again with programmatic dependent launch (kernels/pdl.py)
-    echo "######## VOLUNDR_PDL=1" >> "$OUT/gpu_tests.log"
+  if [ -n "${NOPDL_TESTS:-}" ]; then  # again without programmatic dependent launch
+    echo "######## VOLUNDR_PDL=0" >> "$OUT/gpu_tests.log"
     # shellcheck disable=SC2086
-    VOLUNDR_PDL=1 timeout "${PDL_TEST_TIMEOUT:-200}" python3 -m pytest -v --tb=short \
-      -p no:cacheprovider $PDL_TESTS -k "cuda or gpu" >> "$OUT/gpu_tests.log" 2>&1
+    VOLUNDR_PDL=0 timeout "${NOPDL_TEST_TIMEOUT:-200}" python3 -m pytest -v --tb=short \
+      -p no:cacheprovider $NOPDL_TESTS -k "cuda or gpu" >> "$OUT/gpu_tests.log" 2>&1
     tail -3 "$OUT/gpu_tests.log"
   fi
 fi
@@ -63,12 +64,12 @@ if [ "$PART" != tests ]; then
     --variants "$VARIANTS" --tokens "${TOKENS:-256}" \
     --no-eager --prefill-lens 2048,4000 --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning | tail -12 >> "$OUT/bench.log"
-  if [ -n "${PDL_VARIANTS:-}" ]; then  # the same with VOLUNDR_PDL=1: a process of its own
-    echo "######## VOLUNDR_PDL=1" >> "$OUT/bench.log"
-    echo "######## VOLUNDR_PDL=1" >> "$OUT/profiles.txt"
+  if [ -n "${NOPDL_VARIANTS:-}" ]; then  # the same with VOLUNDR_PDL=0: a process of its own
+    echo "######## VOLUNDR_PDL=0" >> "$OUT/bench.log"
+    echo "######## VOLUNDR_PDL=0" >> "$OUT/profiles.txt"
     # shellcheck disable=SC2086
-    VOLUNDR_PDL=1 timeout "${PDL_BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py \
-      --out "$OUT/decode_pdl.json" --variants "$PDL_VARIANTS" --tokens "${TOKENS:-256}" \
+    VOLUNDR_PDL=0 timeout "${NOPDL_BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py \
+      --out "$OUT/decode_nopdl.json" --variants "$NOPDL_VARIANTS" --tokens "${TOKENS:-256}" \
       --no-eager --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tail -8 \
       >> "$OUT/bench.log"
   fi

@@ -18,7 +18,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).parent
 RUNS = {"run 1": "decode_run1.json", "run 3": "decode_run3.json", "run 4": "decode_run4.json",
         "run 5": "decode_run5.json", "run 6": "decode_run6.json",
-        "run 6 PDL": "decode_run6_pdl.json", "run 8": "decode_run8.json"}
+        "run 6 PDL": "decode_run6_pdl.json", "run 8": "decode_run8.json",
+        "run 9 PDL off": "decode_run9_base.json", "run 9 PDL": "decode_run9_pdl.json",
+        "run 9 PDL 8 steps": "decode_run9_pdl_k8.json"}
 
 
 def plot_decode(out: Path) -> None:
@@ -31,13 +33,13 @@ def plot_decode(out: Path) -> None:
             single.append(r["single"]["tok_per_s"])
             batch16.append(r["batch16"]["tok_per_s"] / 16)
             limit = r["byte_limit_tok_per_s"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(max(10, 0.9 * len(labels)), 5))
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], single, 0.4, label="1 stream, tok/s")
     ax.bar([i + 0.2 for i in x], batch16, 0.4, label="16 streams, tok/s per stream")
     ax.axhline(300, color="g", ls="--", label="goal 300 tok/s")
     ax.axhline(limit, color="r", ls=":", label=f"byte limit {limit:.0f} tok/s")
-    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
     ax.set_ylabel("tok/s")
     ax.set_title("Volundr-32B mixed ~3.2-bit greedy decode, H200, CUDA graphs")
     ax.legend(fontsize=8)

@@ -169,10 +169,12 @@ def compile_all() -> list[str]:
     return compiled
 
 
-@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("pdl", ["0", "1", "1+prefetch"])
 def test_kernels_compile_for_sm90(pdl):
-    """pdl=1: programmatic dependent launch (volundr.kernels.pdl) with its L2 prefetches."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl)
+    """pdl=1: programmatic dependent launch (volundr.kernels.pdl; the default on sm_90), and
+    with the GEMVs' L2 prefetches (off by default)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl[0],
+               VOLUNDR_PDL_PREFETCH="1" if pdl.endswith("prefetch") else "0")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=900)

@@ -73,7 +73,7 @@ def test_profiles():
         == [(16.0, 1), (23.0, 4), (46.0, 16)]
     assert all(PROFILES[p].max_model_len == 262144 for p in ("16gb", "24gb", "48gb"))
     assert PROFILES["cpu"].decode_steps == 1
-    assert all(PROFILES[p].decode_steps == 4 for p in ("16gb", "24gb", "48gb"))
+    assert all(PROFILES[p].decode_steps == 8 for p in ("16gb", "24gb", "48gb"))
     assert profiles_table().count("\n") == len(PROFILES) + 1
 
 

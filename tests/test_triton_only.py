@@ -1,7 +1,7 @@
 """Triton alone (`volundr-serve --no-proxy`), on the CPU profile and, with CUDA, on a GPU profile
-(bf16, CUDA graphs, decode_steps 4, the allocator cap; the GPU machine has no FastAPI, hence no
-proxy): the tiny checkpoint through tritonclient gRPC, to volundr_llm directly and through the
-ensemble, against the offline engine's greedy ids on the same device."""
+(bf16, CUDA graphs, the profile's decode_steps, the allocator cap; the GPU machine has no
+FastAPI, hence no proxy): the tiny checkpoint through tritonclient gRPC, to volundr_llm directly
+and through the ensemble, against the offline engine's greedy ids on the same device."""
 
 from __future__ import annotations
 

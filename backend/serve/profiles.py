@@ -23,8 +23,11 @@ class Profile:
     max_inflight: int  # ensemble backpressure, where the server supports it
     note: str
     tensor_parallel_size: int = 1  # GPUs cuda:0..N-1 of one machine (--tp)
-    # tokens per engine step when only decodes run: on the H200 4 gave 100 vs 97 tok/s greedy
-    # single stream and 772 vs 751 with 16 streams (perf/RESULTS.md, run 5)
+    # tokens per engine step when only decodes run (the host syncs once per step): on the H200
+    # 4 gave 100 vs 97 tok/s greedy single stream (run 5), 8 gave 138.9 vs 134.5 and 989 vs
+    # 968 with 16 streams (run 9, perf/RESULTS.md). The price: a stopped sequence computes up
+    # to 7 discarded tokens, tokens stream 8 at a time (~60 ms apart at 139 tok/s), and a
+    # request arriving meanwhile waits for the step to end (admission then gets steps of 1).
     decode_steps: int = 1
 
 
@@ -34,12 +37,12 @@ PROFILES: dict[str, Profile] = {
         Profile("cpu", "cpu", None, 8, 256, 2048, 16, 64,
                 "tests, CI and the tiny checkpoint on any machine"),
         Profile("16gb", "cuda", 16.0, 1, 2048, 262144, 64, 8,
-                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)", decode_steps=4),
+                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)", decode_steps=8),
         Profile("24gb", "cuda", 23.0, 4, 4096, 262144, 64, 32,
-                "24 GB GPUs: server, 4 concurrent (RTX 3090/4090, L4, A10)", decode_steps=4),
+                "24 GB GPUs: server, 4 concurrent (RTX 3090/4090, L4, A10)", decode_steps=8),
         Profile("48gb", "cuda", 46.0, 16, 8192, 262144, 128, 256,
                 "48 GB and larger: server, 16 concurrent (L40S, A6000, A100, H100, H200)",
-                decode_steps=4),
+                decode_steps=8),
     )
 }
 
