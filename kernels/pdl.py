@@ -47,6 +47,10 @@ def _enabled() -> bool:
 ON = tl.constexpr(_enabled())
 # With PDL, the tensor-core GEMVs can also prefetch their weights into L2 before waiting
 PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "0") == "1"
+# VOLUNDR_PDL_TRIGGER=late: the tensor-core GEMV triggers after its main loop instead of at the
+# top (run 9: with PDL the 5120x5120 GEMVs, whose programs all start at once, got 2.1 us
+# slower; one suspect is the successor's programs resident and waiting beside them all along)
+LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "top") == "late"
 
 
 @triton.jit

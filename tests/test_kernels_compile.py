@@ -165,16 +165,21 @@ def compile_all() -> list[str]:
                                swiglu=True)
         for m in (1, 4):  # two stacked linears on two inputs (KDA's f_b, g_b)
             quant.quant_matmul_grouped(torch.randn(m, 2, 1024, dtype=bf), qa, qb, sz, bits, 128)
+        fold, quant.NORM_FOLD = quant.NORM_FOLD, True  # residual add + RMSNorm in the GEMV
+        v = torch.randn(3, 1, 1024, dtype=bf)
+        assert quant.quant_matmul_rms_norm(v[0], v[1], v[2, 0], 1e-6, qa, qb, sz, bits, 128)
+        quant.NORM_FOLD = fold
         quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM = paths
     return compiled
 
 
-@pytest.mark.parametrize("pdl", ["0", "1", "1+prefetch"])
+@pytest.mark.parametrize("pdl", ["0", "1", "1+prefetch+late"])
 def test_kernels_compile_for_sm90(pdl):
     """pdl=1: programmatic dependent launch (volundr.kernels.pdl; the default on sm_90), and
-    with the GEMVs' L2 prefetches (off by default)."""
+    with the GEMVs' L2 prefetches and late trigger (both off by default)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl[0],
-               VOLUNDR_PDL_PREFETCH="1" if pdl.endswith("prefetch") else "0")
+               VOLUNDR_PDL_PREFETCH="1" if "prefetch" in pdl else "0",
+               VOLUNDR_PDL_TRIGGER="late" if "late" in pdl else "top")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=900)

@@ -152,6 +152,61 @@ def check_tc(n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32, **k
     assert err < tol, (n, k, bits, g, kw, err)
 
 
+def check_tc_norm(n, k, bits, g, device, seed, tol=8e-3, via_engine=False, **kw) -> None:
+    """gemv_tc with the layer's residual add + RMSNorm folded in (norm=...) == rms_norm then
+    the naive matmul; the written residual stream h == delta + residual exactly. via_engine:
+    through engine.quant_matmul_rms_norm (as the model calls it)."""
+    from volundr.kernels.norm.naive import naive_rms_norm
+    from volundr.kernels.quant import engine
+    from volundr.kernels.quant.gemv_tc import gemv_tc
+
+    qa, qb, sz = _layer(n, k, bits, g, device, seed)
+    bf = torch.bfloat16
+    delta, res = (torch.randn(1, k, device=device) * 3).to(bf), torch.randn(1, k, device=device)
+    res, w = res.to(bf), (torch.rand(k, device=device) + 0.5).to(bf)
+    x_ref, h_ref = naive_rms_norm(delta, w, 1e-6, res)
+    ref = naive_quant_matmul(x_ref.float(), qa, qb, sz, bits, g, k)
+    if via_engine:
+        y, h = engine.quant_matmul_rms_norm(delta, res, w, 1e-6, qa, qb, sz, bits, g)
+    else:
+        h = torch.full_like(delta, float("nan"))
+        out = torch.full((1, n), float("nan"), device=device, dtype=torch.float32)
+        y = gemv_tc(delta, qa, qb, sz, bits, g, out=out, norm=(res, w, 1e-6, h), **kw)
+    # (exact on the GPU; the interpreter truncates fp32 -> bf16 where PyTorch rounds)
+    assert torch.equal(h, h_ref) if device == "cuda" else _rel(h, h_ref) < 8e-3, "residual"
+    err = _rel(y, ref)
+    assert err < tol, (n, k, bits, g, kw, err)
+
+
+def check_prenorm_module(bits: int, device: str = "cpu", k: int = 512,
+                         parts: tuple = (64, 32)) -> None:
+    """The model's path: a PreNorm into a FusedLinear of mixed-bit layers folds the norm (the
+    norm kernel never runs) and gives the materialised path's y and residual stream. On the
+    CPU (the interpreter) the kernels are made to take CPU tensors."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from volundr import ops
+    from volundr.kernels.quant import quantize_random_linear
+    from volundr.model.layers import FusedLinear, PreNorm, RMSNorm
+
+    bf = torch.bfloat16
+    fused = FusedLinear([quantize_random_linear(n, k, bits, 128, device, seed=_seed())
+                         for n in parts], pad_to=64)
+    norm = RMSNorm(k, 1e-6).to(device=device, dtype=bf)
+    norm.weight.data = (torch.rand(k, device=device) + 0.5).to(bf)
+    delta, h = (torch.randn(2, 1, k, device=device) * 3).to(bf).unbind(0)
+    on_cpu = mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name))
+    with on_cpu if device == "cpu" else nullcontext():
+        p = PreNorm(delta, h, norm)
+        with mock.patch.object(ops, "rms_norm", side_effect=AssertionError("norm kernel ran")):
+            y = fused(p)
+        q = PreNorm(delta, h, norm)
+        y_ref = fused(q.value())
+    tol = 0 if device == "cuda" else 8e-3  # (the interpreter truncates fp32 -> bf16)
+    assert _rel(y, y_ref) < 8e-3 and _rel(p.residual_out, q.residual_out) <= tol, bits
+
+
 def check_gemm_tc(m, n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32,
                   row_pad=0, **kw) -> None:
     """gemm_tc (2 <= M <= 16, bf16 x) vs naive on the same bf16 x; fp32 out isolates the
@@ -249,6 +304,11 @@ def run_cpu(group: str) -> None:
             # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
             # the GPU and the SwiGLU kernel round to nearest)
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, reps=2, splits=2, swiglu=True)
+            # residual add + RMSNorm in the x loads: split-K (partial sums of squares), one
+            # split, a ragged last set (5 groups), a ragged N
+            check_tc_norm(64, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
+            check_tc_norm(64, 640, bits, 128, "cpu", _seed(), reps=1, splits=1)
+            check_tc_norm(200, 512, bits, 128, "cpu", _seed(), reps=1, splits=2)
             if bits != 3:
                 check_tc(64, 256, bits, 64, "cpu", _seed(), reps=2)
             # engine with VOLUNDR_QUANT_GEMV=tc: bf16 x at M = 1 takes gemv_tc (at these small
@@ -258,6 +318,9 @@ def run_cpu(group: str) -> None:
             x = torch.randn(1, 512).to(torch.bfloat16)
             ref = naive_quant_matmul(x.float(), qa, qb, sz, bits, 128, 512)
             assert _rel(engine.quant_matmul(x, qa, qb, sz, bits, 128), ref) < 8e-3
+            engine.NORM_FOLD = True  # (off by default until measured on the GPU)
+            check_tc_norm(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
+            check_prenorm_module(bits)
         return
     for bits in (2, 3, 4):
         if group == "gemv":
@@ -731,6 +794,23 @@ def test_cuda_gemm_tc_configs_and_edges(bits):
     from volundr.kernels.quant.gemm_tc import gemm_tc
 
     check_graph_replay(gemm_tc, 16, bits)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_norm_folded_into_gemv(bits, monkeypatch):
+    """The residual add + RMSNorm folded into gemv_tc at Volundr-32B's shapes that read a norm
+    (KDA's fused projections, attention's q|k|v, the MLP's gate_up), split-K and one split,
+    the engine's config and through engine.quant_matmul_rms_norm: == norm then naive, the
+    residual stream exact; and the PreNorm module path skips the norm kernel."""
+    from volundr.kernels.quant import engine
+
+    monkeypatch.setattr(engine, "NORM_FOLD", True)
+    for n in (15680, 5632, 34816):
+        check_tc_norm(n, 5120, bits, 128, "cuda", _seed(), **engine.GEMV_TC_CONFIG[bits])
+        check_tc_norm(n, 5120, bits, 128, "cuda", _seed(), reps=2, splits=1)
+        check_tc_norm(n, 5120, bits, 128, "cuda", _seed(), via_engine=True)
+    check_prenorm_module(bits, "cuda", 5120, (15360, 296))
 
 
 @gpu

@@ -8,7 +8,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear
+from volundr.model.layers import FusedLinear, PreNorm
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear, local_kv_heads
 
 
@@ -33,7 +33,8 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PreNorm, b: ForwardBatch) -> torch.Tensor:
+        """x [T, d], or the PreNorm of it that the input projection may fold."""
         T, hd = x.shape[0], self.hd
         q, k, v = self.qkv_proj(x).split([self.h * hd, self.kvh * hd, self.kvh * hd], dim=-1)
         q, k, v = q.view(T, self.h, hd), k.view(T, self.kvh, hd), v.view(T, self.kvh, hd)

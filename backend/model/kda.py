@@ -16,7 +16,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear, GroupedLinear
+from volundr.model.layers import FusedLinear, GroupedLinear, PreNorm
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -75,7 +75,8 @@ class KDA(nn.Module):
         self.fg_b = GroupedLinear([self.f_b_proj, self.g_b_proj])
         del self.f_b_proj, self.g_b_proj
 
-    def forward(self, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PreNorm, b: ForwardBatch) -> torch.Tensor:
+        """x [T, d], or the PreNorm of it that the input projection may fold."""
         T, H, K = x.shape[0], self.H, self.K
         hk3 = 3 * H * K
         if self.in_proj is not None:

@@ -20,6 +20,34 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class PreNorm:
+    """RMSNorm(x + residual), not computed yet: the input of a layer's mixer or MLP. The linear
+    that reads it (`take`) may fold the residual add and the norm into its own matmul (the
+    mixed-bit GEMV at M = 1, `QuantLinear.forward`), saving the norm's launch; anything else
+    calls `value()`. Either way `residual_out` then holds x + residual, the next residual
+    stream."""
+
+    def __init__(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
+        self.x, self.residual, self.norm = x, residual, norm
+        self.residual_out: torch.Tensor | None = None
+        self._value: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    def value(self) -> torch.Tensor:
+        """norm(x + residual) (once; later calls return the same tensor)."""
+        if self._value is None:
+            self._value, self.residual_out = self.norm(self.x, residual=self.residual)
+        return self._value
+
+
+def materialize(x):
+    """x itself, or the value of a PreNorm."""
+    return x.value() if isinstance(x, PreNorm) else x
+
+
 class FusedLinear(nn.Module):
     """Linears that read the same input, as one: forward(x) = cat([m(x) for m in mods], -1).
 
@@ -34,13 +62,17 @@ class FusedLinear(nn.Module):
 
     def __init__(self, mods: list[nn.Module], pad_to: int = 1):
         super().__init__()
+        from volundr.model.quant_linear import QuantLinear  # it imports this package
+
         self.out_features = sum(m.out_features for m in mods)
         self.fused = _concat_linears(mods, pad_to)
         self.parts = None if self.fused is not None else nn.ModuleList(mods)
+        self.takes_prenorm = isinstance(self.fused, QuantLinear)  # it may fold the norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PreNorm) -> torch.Tensor:
         if self.fused is not None:
-            return self.fused(x)
+            return self.fused(x if self.takes_prenorm else materialize(x))
+        x = materialize(x)
         return torch.cat([m(x) for m in self.parts], dim=-1)
 
 
@@ -96,7 +128,7 @@ class MLP(nn.Module):
         # a mixed-bit down projection takes (gate, up) and applies the SwiGLU itself
         self.swiglu_in_down = isinstance(self.down_proj, QuantLinear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PreNorm) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.swiglu_in_down:
             return self.down_proj(gate_up, swiglu=True)

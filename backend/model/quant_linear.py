@@ -30,6 +30,7 @@ from volundr.kernels.quant.pack import (
     to_kernel_layout,
     unpack_bitstream,
 )
+from volundr.model.layers import PreNorm
 from volundr.model.parallel import TP, ParallelLMHead, RowParallelLinear, all_reduce
 from volundr.model.weights import expected_tensors
 
@@ -115,9 +116,16 @@ class QuantLinear(nn.Module):
         return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,
                                         self.in_features, dtype)
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor | PreNorm, swiglu: bool = False) -> torch.Tensor | None:
         """x [..., in]; swiglu: x [..., 2 in] holds (gate, up) and the input is SiLU(gate) * up
-        (on CUDA fused into the decode kernels' x loads: the MLP's SwiGLU launch saved)."""
+        (on CUDA fused into the decode kernels' x loads: the MLP's SwiGLU launch saved).
+        x a PreNorm [T, in]: where the kernels can, the residual add and RMSNorm run inside
+        the matmul (ops-level `quant_matmul_rms_norm`); otherwise the norm runs first."""
+        if isinstance(x, PreNorm):
+            y = self._forward_prenorm(x)
+            if y is not None:
+                return self._finish(y)
+            x = x.value()
         if self.qa.device != x.device:  # built on the host (apply_quantization without device)
             self.to(x.device)
         shape = x.shape
@@ -133,7 +141,23 @@ class QuantLinear(nn.Module):
                 x2 = ops.swiglu(*x2.chunk(2, dim=-1))
             y = naive_quant_matmul(x2, self.qa, self.qb, self.sz, self.bits, self.group_size,
                                    self.in_features)
-        y = y.reshape(*shape[:-1], self.out_features)
+        return self._finish(y.reshape(*shape[:-1], self.out_features))
+
+    def _forward_prenorm(self, p: PreNorm) -> torch.Tensor | None:
+        """y of the folded norm (and p.residual_out set), or None where no kernel folds it."""
+        fast = ops._fast(p.x, "quant")
+        if fast is None or p.x.dim() != 2 or self.qa.device != p.x.device:
+            return None
+        r = fast.quant_matmul_rms_norm(p.x, p.residual, p.norm.weight, p.norm.eps, self.qa,
+                                       self.qb, self.sz, self.bits, self.group_size)
+        if r is None:
+            return None
+        y, p.residual_out = r
+        return y
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The tensor-parallel tail: a row-parallel layer all-reduces, a vocab-parallel lm_head
+        gathers on rank 0."""
         if self.parallel == "row":
             return all_reduce(y, self.tp)
         if self.parallel == "lm_head" and self.tp.size > 1:

@@ -21,7 +21,7 @@ from volundr.model.attention import Attention
 from volundr.model.batch import ForwardBatch
 from volundr.model.engram import Engram, pinned_tables
 from volundr.model.kda import KDA
-from volundr.model.layers import MLP, RMSNorm
+from volundr.model.layers import MLP, PreNorm, RMSNorm
 from volundr.model.parallel import TP, ParallelLMHead
 
 
@@ -40,10 +40,12 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, b: ForwardBatch, layer_idx: int | None = None,
                 delta: torch.Tensor | None = None):
         """The residual stream is h + delta (delta: the previous layer's MLP output, or None):
-        the add happens inside this layer's first norm, not as a separate kernel. Returns the
-        (h, delta) of the next layer."""
+        the add happens inside this layer's first norm, not as a separate kernel, and each
+        norm is handed on as a PreNorm, which the projection reading it may fold into its own
+        matmul (the mixed-bit GEMV at batch 1 with VOLUNDR_NORM_FOLD=1). Returns the (h, delta)
+        of the next layer."""
         if delta is not None and self.engram is None:
-            x, h = self.input_layernorm(delta, residual=h)  # h += delta; x = norm(h)
+            x = PreNorm(delta, h, self.input_layernorm)  # h + delta, and its norm
         else:
             if delta is not None:
                 h = h + delta
@@ -51,8 +53,12 @@ class DecoderLayer(nn.Module):
                 h = self.engram(h, b, b.engram_embeds[layer_idx])
             x = self.input_layernorm(h)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.kda
-        x, h = self.post_attention_layernorm(mixer(x, b), residual=h)  # h += out; x = norm(h)
-        return h, self.mlp(x)
+        out = mixer(x, b)  # its first projection takes x: it may fold the norm into its matmul
+        if isinstance(x, PreNorm):
+            h = x.residual_out
+        x = PreNorm(out, h, self.post_attention_layernorm)
+        delta = self.mlp(x)
+        return x.residual_out, delta
 
 
 class MTPBlock(nn.Module):

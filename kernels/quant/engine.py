@@ -56,6 +56,10 @@ if GEMM16_PATH not in ("tile", "tc"):
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
 GEMM16_TC_N = {b: 32 * c["reps"] * c["num_warps"] for b, c in GEMM16_TC_CONFIG.items()}  # BN
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
+# The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 144 norm
+# launches per Volundr-32B token less (2.8 us each on the H200, run 8). Opt-in with
+# VOLUNDR_NORM_FOLD=1 until it has run on the GPU (tests and decode speed).
+NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
 
@@ -93,6 +97,25 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=64,
                                    **PREFILL_CONFIG)
     return dequant_matmul(x, qa, qb, sz, bits, group_size)
+
+
+def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
+                          bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(y, h): h = x + residual and y = RMSNorm(h) @ W^T (norm weight [K]) in one launch, for
+    x, residual [1, K]; None where no kernel folds the norm (NORM_FOLD off, M > 1, a shape or
+    dtype the tensor-core GEMV does not take): the caller then runs the norm kernel first."""
+    m, k = x.shape
+    n = qa.shape[1]
+    if not (NORM_FOLD and m == 1 and GEMV_PATH == "tc" and min(k, n) >= TC_MIN_DIM
+            and gemv_tc.supported(x, bits, group_size, n) and x.is_contiguous()
+            and residual.is_contiguous() and residual.shape == x.shape
+            and residual.dtype == norm_weight.dtype == x.dtype):
+        return None
+    h = torch.empty_like(x)
+    y = gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, norm=(residual, norm_weight, eps, h),
+                        **GEMV_TC_CONFIG[bits])
+    return y, h
 
 
 def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,

@@ -304,6 +304,28 @@ def _ldx(ptr, up_off, mask, MASKED: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
+def _norm_prologue(x_ptr, r_ptr, w_ptr, h_ptr, xs_ptr, set0, set1, K, write, G: tl.constexpr):
+    """NORM, over this program's K range (sets set0 .. set1 - 1 of 4 groups): v = x + r rounded
+    to x's dtype (as the norm kernel rounds the residual add), x' = v w into the scratch xs
+    (the main loop's x: its loads then cost what plain x loads cost; the programs of one split
+    all write the same values there), v into h where `write` (the first N tile's programs:
+    every K range is some split's, so h is written once, completely). Returns sum(v^2)."""
+    kk = tl.arange(0, 4 * G)
+    acc = tl.zeros([4 * G], dtype=tl.float32)
+    for st in range(set0, set1):
+        k = st * 4 * G + kk
+        km = k < K
+        v = (tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + k, mask=km, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(h_ptr + k, v, mask=km & write)
+        v = v.to(tl.float32)
+        acc += v * v
+        w = tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32)
+        tl.store(xs_ptr + k, (v * w).to(x_ptr.dtype.element_ty), mask=km)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _prefetch_rows(ptr, row0, row1, col0, N, PF_ASM: tl.constexpr):
     """L2 prefetch of int32 rows row0 .. row1 - 1, columns col0 .. col0 + BN (PF_ASM's size),
     of a [rows, N] plane: 32 rows per pass, a lane each."""
@@ -354,16 +376,23 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
                    ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
                    PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
-                   SWIGLU: tl.constexpr = False):
+                   SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+                   r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
+                   NORM: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
-    SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K)."""
+    SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
+    NORM: y = RMSNorm(x + r) W^T, with norm weight nw, and h = x + r written: RMSNorm(v) =
+    v w / rms(v) and 1 / rms(v) is one scalar, so the matmul runs on v w (staged in the scratch
+    xs) and y is scaled at the end by the sum of squares of all K (split-K: a partial per split,
+    in ss_ptr)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
     NPT: tl.constexpr = NP  # x pair tensors per block
     NBLK: tl.constexpr = WA // 4  # blocks of 4 A rows
-    pdl.trigger()
+    if not LATE_TRIGGER:
+        pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     set0 = pid_k * sets_per_split
@@ -381,6 +410,12 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     ka = ()
     if USE_ASM:
         ka = _xsum_a(j4, XS, ASM_KEEP, Q)
+    ss = 0.0
+    if NORM:
+        ss = _norm_prologue(x_ptr, r_ptr, nw_ptr, h_ptr, xs_ptr, set0, set1, num_groups * G,
+                            pid_n == 0, G)
+        tl.debug_barrier()  # the whole program's x' is in xs before any lane reads it
+        x_ptr = xs_ptr
     for st in range(set0, set1):
         grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
         if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
@@ -397,14 +432,15 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         xb = tl.zeros([4, Q, 1, 4], dtype=tl.float32)
         xsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
-        xg = x_ptr + grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
+        xo = grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
         for blk in tl.static_range(NBLK):
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
-                xlo = _ldx(xg + p * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN, SWIGLU)
-                xhi = _ldx(xg + (p + NP) * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN,
+                xlo = _ldx(x_ptr + xo + p * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN,
                            SWIGLU)
+                xhi = _ldx(x_ptr + xo + (p + NP) * WA + blk * 4, up_off, xmask,
+                           USE_ASM or not EVEN, SWIGLU)
                 if USE_ASM:
                     pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
                                                    dtype=tl.int32, is_pure=True, pack=2)
@@ -442,21 +478,32 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         zr = (szw & -65536).to(tl.float32, bitcast=True)
         # d = B + sum q x over the lane's group; masked groups: s = 0
         acc += sc * (d - (bsum + zr * xsum))
+    if LATE_TRIGGER:  # the successor's programs become resident only as this one winds down
+        pdl.trigger()
     y = tl.sum(acc, axis=0)  # [Q, L, 4]: the 4 groups of a set (lanes c)
     n3 = pid_n * BN + 4 * (Q * tl.arange(0, L)[None, :, None] + tl.arange(0, Q)[:, None, None]) \
         + tl.arange(0, 4)[None, None, :]
     ymask = n3 < N
     if SPLIT_K:
         tl.store(ws_ptr + pid_k.to(tl.int64) * N + n3, y, mask=ymask)
+        if NORM:  # this split's sum of squares, for the tile's last split
+            tl.store(ss_ptr + pid_k * tl.num_programs(0) + pid_n, ss)
         tl.debug_barrier()  # every thread's partial is written before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
             tot = tl.zeros([Q, L, 4], dtype=tl.float32)
+            ss = 0.0
             for k in range(0, num_splits):
                 tot += tl.load(ws_ptr + k * N + n3, mask=ymask, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    ss += tl.load(ss_ptr + k * tl.num_programs(0) + pid_n, cache_modifier=".cg")
+            if NORM:
+                tot = tot * tl.rsqrt(ss / (num_groups * G) + eps)
             tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
+        if NORM:
+            y = y * tl.rsqrt(ss / (num_groups * G) + eps)
         tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
@@ -492,18 +539,23 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
 def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
             group_size: int, out: torch.Tensor | None = None, reps: int = 4,
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
-            swiglu: bool = False, maxnreg: int | None = None) -> torch.Tensor:
+            swiglu: bool = False, maxnreg: int | None = None,
+            norm: tuple | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
 
     reps: 32-row slabs per warp (BN = 32 reps num_warps rows per program); split-K over sets
     of 4 groups to about `waves` programs per SM (or `splits`). maxnreg: a register cap per
-    thread (more resident warps per SM, so more weight loads in flight; spills if too low)."""
+    thread (more resident warps per SM, so more weight loads in flight; spills if too low).
+    norm = (residual [1, K], weight [K], eps, h [1, K]): y = RMSNorm(x + residual) @ W^T with
+    that norm weight, and h = x + residual written (the layer's residual add and RMSNorm folded
+    into the matmul: two launches less per layer); all bf16 with unit stride."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
     assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
+    assert not (swiglu and norm), "swiglu and norm exclude each other"
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
     num_groups = k // group_size
@@ -518,6 +570,14 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         ws, cnt = _workspace(x.device, n_tiles, ns * n)
     else:
         ws, cnt = out, out
+    nkw = {}
+    if norm is not None:
+        res, w, eps, h = norm
+        assert all(t.dtype == x.dtype and t.is_contiguous() and t.numel() == k
+                   for t in (res, w, h)), "norm tensors: x's dtype, contiguous, K elements"
+        ss = torch.empty(ns * n_tiles, dtype=torch.float32, device=x.device)
+        nkw = dict(r_ptr=res, nw_ptr=w, h_ptr=h, xs_ptr=torch.empty_like(x), ss_ptr=ss,
+                   eps=float(eps), NORM=True)
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
@@ -527,6 +587,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
-        SWIGLU=swiglu, num_warps=num_warps, launch_pdl=pdl.ON.value,
+        SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, num_warps=num_warps,
+        launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out
