@@ -8,10 +8,13 @@ eager decode step (torch.profiler) when --profile-dir is given.
 
 Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
 cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per
-engine step (EngineConfig.decode_steps), e.g. mixed:16@4; a suffix picks the mixed-bit matmul
+engine step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul
 paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles
 (the default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores
-(the default now, also without a suffix), e.g. mixed:16@4+fma.
+(the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
+batch-1 GEMV (engine.NORM_FOLD), +late = gemv_tc's PDL trigger after its main loop
+(pdl.LATE_TRIGGER); e.g. mixed:16@8+fold+late. PDL itself is per process (VOLUNDR_PDL).
+A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import json
+import os
 import re
 import subprocess
 import time
@@ -341,72 +346,96 @@ def main() -> None:
     res = {"commit": commit, "device": name, "preset": args.preset, "torch": torch.__version__,
            "hbm_copy_GBps": copy_bandwidth(args.device, args.copy_gib) / 1e9, "runs": []}
     print(json.dumps(res), flush=True)
-    cuda = dev.type == "cuda"
     for spec in args.variants.split(","):
-        spec_main, _, gemv_path = spec.partition("+")
-        spec_bits, _, steps = spec_main.partition("@")
-        variant, _, gib = spec_bits.partition(":")
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        import volundr.kernels.quant.engine as qengine
-
-        default_paths = qengine.GEMV_PATH, qengine.GEMM16_PATH
-        paths = {"": default_paths, "tc": ("tc", "tile"), "tc16": ("tc", "tc"),
-                 "fma": ("fma", "tile")}
-        if gemv_path not in paths:
-            raise SystemExit(f"unknown matmul path suffix +{gemv_path} ({', '.join(paths)})")
-        # read at call time: the graphs capture these paths
-        qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[gemv_path]
-        t = time.perf_counter()
-        engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
-                       int(steps or 1), args.max_model_len)
-        wbytes = device_weight_bytes(engine)
-        graphs = engine.runner.graphs
-        built = {"build_s": time.perf_counter() - t,
-                 "gpu_mem_after_build_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
-                 "gpu_mem_peak_build_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
-        prof_path = f"{args.profile_dir}/profiles.txt"  # all variants: few files come back
-        if args.profile_dir and cuda:
-            with open(prof_path, "a") as f:
-                f.write(f"\n######## {spec}\n")
-            try:
-                built["profile_bs1"] = profile_step(engine, prof_path, 1)
-                built["profile_bs16"] = profile_step(engine, prof_path, 16)
-                if graphs is not None:
-                    built["host_bs1"] = profile_host(engine, prof_path)
-                built["census_bs1"] = matmul_census(engine, prof_path, 1)
-                built["census_bs16"] = matmul_census(engine, prof_path, 16)
-            except Exception as e:  # the breakdown is extra: never lose the run to it
-                built["profile_error"] = repr(e)
-        modes = (False, True) if graphs is not None else (False,)
-        for use_graphs in modes[1:] if args.no_eager and graphs is not None else modes:
-            engine.runner.graphs = graphs if use_graphs else None
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            entry = {"variant": spec, "cuda_graphs": use_graphs, "gpu_gib": gib or None,
-                     **built, "gpu_weight_GB": wbytes / 1e9,
-                     "byte_limit_tok_per_s": res["hbm_copy_GBps"] * 1e9 / wbytes}
-            decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
-            entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
-            entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
-            if use_graphs:
-                entry["single"]["graph_ms"] = graph_ms(engine, 1)
-                entry["batch16"]["graph_ms"] = graph_ms(engine, 16)
-            if use_graphs or graphs is None:  # prefill never runs in a graph: once per variant
-                entry["prefill"] = [time_to_first_token(engine, int(n))
-                                    for n in args.prefill_lens.split(",") if n]
-            if cuda:
-                entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
-            res["runs"].append(entry)
-            print(json.dumps(entry), flush=True)
-        del engine, graphs
-        qengine.GEMV_PATH, qengine.GEMM16_PATH = default_paths
-        if cuda:
+        try:
+            res["runs"] += run_variant(spec, args, res["hbm_copy_GBps"], dev)
+        except Exception as e:  # record it and go on: the other variants still count
+            res["runs"].append({"variant": spec, "error": repr(e)[:2000]})
+            print(json.dumps(res["runs"][-1]), flush=True)
+        gc.collect()  # the engine's reference cycles hold GPU memory until collected
+        if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, dev.index or 0)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+        with open(args.out, "w") as f:  # after every variant: a later crash keeps these
+            json.dump(res, f, indent=1)
+
+
+def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> list[dict]:
+    """One variant (see the module doc): build, optional profiles, then decode rates."""
+    import volundr.kernels.quant.engine as qengine
+    from volundr.kernels import pdl
+
+    cuda = dev.type == "cuda"
+    spec_main, *suffixes = spec.split("+")
+    spec_bits, _, steps = spec_main.partition("@")
+    variant, _, gib = spec_bits.partition(":")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
+    defaults = qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER
+    for sfx in suffixes:  # read at call time: the graphs capture these choices
+        if sfx in paths:
+            qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
+        elif sfx == "fold":
+            qengine.NORM_FOLD = True
+        elif sfx == "late":
+            pdl.LATE_TRIGGER = True
+        else:
+            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late)")
+    try:
+        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
+    finally:
+        qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER = defaults
+
+
+def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:
+    out = []
+    t = time.perf_counter()
+    engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
+                   int(steps or 1), args.max_model_len)
+    wbytes = device_weight_bytes(engine)
+    graphs = engine.runner.graphs
+    built = {"build_s": time.perf_counter() - t,
+             "gpu_mem_after_build_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
+             "gpu_mem_peak_build_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
+    prof_path = f"{args.profile_dir}/profiles.txt"  # all variants: few files come back
+    if args.profile_dir and cuda:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        with open(prof_path, "a") as f:
+            f.write(f"\n######## {spec}\n")
+        try:
+            built["profile_bs1"] = profile_step(engine, prof_path, 1)
+            built["profile_bs16"] = profile_step(engine, prof_path, 16)
+            if graphs is not None:
+                built["host_bs1"] = profile_host(engine, prof_path)
+            built["census_bs1"] = matmul_census(engine, prof_path, 1)
+            built["census_bs16"] = matmul_census(engine, prof_path, 16)
+        except Exception as e:  # the breakdown is extra: never lose the run to it
+            built["profile_error"] = repr(e)
+    modes = (False, True) if graphs is not None else (False,)
+    for use_graphs in modes[1:] if args.no_eager and graphs is not None else modes:
+        engine.runner.graphs = graphs if use_graphs else None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        entry = {"variant": spec, "cuda_graphs": use_graphs, "gpu_gib": gib or None,
+                 **built, "gpu_weight_GB": wbytes / 1e9,
+                 "byte_limit_tok_per_s": hbm_copy_GBps * 1e9 / wbytes}
+        decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
+        entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
+        entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
+        if use_graphs:
+            entry["single"]["graph_ms"] = graph_ms(engine, 1)
+            entry["batch16"]["graph_ms"] = graph_ms(engine, 16)
+        if use_graphs or graphs is None:  # prefill never runs in a graph: once per variant
+            entry["prefill"] = [time_to_first_token(engine, int(n))
+                                for n in args.prefill_lens.split(",") if n]
+        if cuda:
+            entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        out.append(entry)
+        print(json.dumps(entry), flush=True)
+    engine.close()
+    return out
 
 
 if __name__ == "__main__":
