@@ -152,7 +152,7 @@ def check_tc(n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32, **k
     assert err < tol, (n, k, bits, g, kw, err)
 
 
-def check_tc_norm(n, k, bits, g, device, seed, tol=8e-3, via_engine=False, **kw) -> None:
+def check_tc_norm(n, k, bits, g, device, seed, tol=None, via_engine=False, **kw) -> None:
     """gemv_tc with the layer's residual add + RMSNorm folded in (norm=...) == rms_norm then
     the naive matmul; the written residual stream h == delta + residual exactly. via_engine:
     through engine.quant_matmul_rms_norm (as the model calls it)."""
@@ -172,8 +172,10 @@ def check_tc_norm(n, k, bits, g, device, seed, tol=8e-3, via_engine=False, **kw)
         h = torch.full_like(delta, float("nan"))
         out = torch.full((1, n), float("nan"), device=device, dtype=torch.float32)
         y = gemv_tc(delta, qa, qb, sz, bits, g, out=out, norm=(res, w, 1e-6, h), **kw)
-    # (exact on the GPU; the interpreter truncates fp32 -> bf16 where PyTorch rounds)
+    # (exact on the GPU; the interpreter truncates fp32 -> bf16 where PyTorch rounds: every
+    # x' rounds the same way there, so y's error adds up, hence its wider tolerance)
     assert torch.equal(h, h_ref) if device == "cuda" else _rel(h, h_ref) < 8e-3, "residual"
+    tol = tol or (8e-3 if device == "cuda" else 2e-2)
     err = _rel(y, ref)
     assert err < tol, (n, k, bits, g, kw, err)
 
@@ -204,7 +206,8 @@ def check_prenorm_module(bits: int, device: str = "cpu", k: int = 512,
         q = PreNorm(delta, h, norm)
         y_ref = fused(q.value())
     tol = 0 if device == "cuda" else 8e-3  # (the interpreter truncates fp32 -> bf16)
-    assert _rel(y, y_ref) < 8e-3 and _rel(p.residual_out, q.residual_out) <= tol, bits
+    assert _rel(y, y_ref) < (8e-3 if device == "cuda" else 2e-2), bits
+    assert _rel(p.residual_out, q.residual_out) <= tol, bits
 
 
 def check_gemm_tc(m, n, k, bits, g, device, seed, tol=1e-4, out_dtype=torch.float32,
@@ -299,6 +302,7 @@ def run_cpu(group: str) -> None:
             check_tc(96, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
             check_tc(128, 1024, bits, 128, "cpu", _seed(), reps=4)  # EVEN, split-K
             check_tc(64, 640, bits, 128, "cpu", _seed(), reps=1, num_warps=2)  # 5 groups
+            check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, stages=2)  # 3 sets
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
                      reps=1, splits=1)
             # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
@@ -794,6 +798,17 @@ def test_cuda_gemm_tc_configs_and_edges(bits):
     from volundr.kernels.quant.gemm_tc import gemm_tc
 
     check_graph_replay(gemm_tc, 16, bits)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_gemv_tc_pipelined_sets(bits):
+    """gemv_tc with its set loop software-pipelined (weights through shared memory by
+    cp.async): == naive at Volundr-32B shapes, several sets per program and one."""
+    for n, k in ((17408, 5120), (5120, 17408), (15680, 5120)):
+        for stages, splits in ((2, 2), (3, 1), (2, None)):
+            check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, stages=stages,
+                     splits=splits)
 
 
 @gpu

@@ -378,7 +378,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
                    SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
-                   NORM: tl.constexpr = False):
+                   NORM: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -416,7 +416,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                             pid_n == 0, G)
         tl.debug_barrier()  # the whole program's x' is in xs before any lane reads it
         x_ptr = xs_ptr
-    for st in range(set0, set1):
+    for st in tl.range(set0, set1, num_stages=STAGES):
         grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
         if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
             ok = c4 >= 0
@@ -540,7 +540,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             group_size: int, out: torch.Tensor | None = None, reps: int = 4,
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
-            norm: tuple | None = None) -> torch.Tensor:
+            norm: tuple | None = None, stages: int = 1) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -550,7 +550,10 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     thread (more resident warps per SM, so more weight loads in flight; spills if too low).
     norm = (residual [1, K], weight [K], eps, h [1, K]): y = RMSNorm(x + residual) @ W^T with
     that norm weight, and h = x + residual written (the layer's residual add and RMSNorm folded
-    into the matmul: two launches less per layer); all bf16 with unit stride."""
+    into the matmul: two launches less per layer); all bf16 with unit stride.
+    stages > 1: the loop over a program's sets is software-pipelined by Triton (the weights go
+    through shared memory by cp.async, `stages` sets in flight, no registers held for them):
+    more bytes in flight per warp, fewer programs per SM (shared memory)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -587,7 +590,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
-        SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, num_warps=num_warps,
+        SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out
