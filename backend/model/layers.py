@@ -22,10 +22,9 @@ class RMSNorm(nn.Module):
 
 class PreNorm:
     """RMSNorm(x + residual), not computed yet: the input of a layer's mixer or MLP. The linear
-    that reads it (`take`) may fold the residual add and the norm into its own matmul (the
-    mixed-bit GEMV at M = 1, `QuantLinear.forward`), saving the norm's launch; anything else
-    calls `value()`. Either way `residual_out` then holds x + residual, the next residual
-    stream."""
+    that reads it may fold the residual add and the norm into its own matmul (the mixed-bit
+    GEMV at M = 1, `QuantLinear.forward`), saving the norm's launch; anything else calls
+    `value()`. Either way `residual_out` then holds x + residual, the next residual stream."""
 
     def __init__(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
         self.x, self.residual, self.norm = x, residual, norm

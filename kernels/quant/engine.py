@@ -56,7 +56,7 @@ if GEMM16_PATH not in ("tile", "tc"):
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
 GEMM16_TC_N = {b: 32 * c["reps"] * c["num_warps"] for b, c in GEMM16_TC_CONFIG.items()}  # BN
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
-# The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 144 norm
+# The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Opt-in with
 # VOLUNDR_NORM_FOLD=1 until it has run on the GPU (tests and decode speed).
 NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
