@@ -168,6 +168,8 @@ def compile_all() -> list[str]:
         # the set loop pipelined through shared memory (cp.async; opt-in config)
         quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
                               splits=1, stages=2)
+        quant.gemm_tc.gemm_tc(torch.randn(16, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
+                              splits=1, stages=2)
         fold, quant.NORM_FOLD = quant.NORM_FOLD, True  # residual add + RMSNorm in the GEMV
         v = torch.randn(3, 1, 1024, dtype=bf)
         assert quant.quant_matmul_rms_norm(v[0], v[1], v[2, 0], 1e-6, qa, qb, sz, bits, 128)

@@ -272,6 +272,7 @@ def run_cpu(group: str) -> None:
             check_gemm_tc(3, 96, 768, bits, 128, "cpu", _seed(), reps=2, splits=3)
             check_gemm_tc(8, 128, 384, bits, 128, "cpu", _seed(), reps=4)  # split-K
             check_gemm_tc(16, 100, 256, bits, 128, "cpu", _seed(), reps=1, num_warps=2)
+            check_gemm_tc(5, 64, 512, bits, 128, "cpu", _seed(), reps=2, splits=1, stages=2)
             check_gemm_tc(11, 64, 256, bits, 128, "cpu", _seed(), tol=8e-3,
                           out_dtype=torch.bfloat16, reps=1, splits=1)
             # SwiGLU in the x loads (tolerance: see gemv_tc's case); x rows with a stride
@@ -784,7 +785,11 @@ def test_cuda_gemm_tc_configs_and_edges(bits):
     split-K counters must be left at zero), CUDA-graph replay and the engine switch."""
     cases = [(3, 200, 640, dict(reps=1, splits=1)), (16, 5120, 5120, dict(reps=2, splits=10)),
              (5, 1000, 1152, dict(reps=4, num_warps=2)), (9, 4096, 5120, dict(reps=1, num_warps=4)),
-             (13, 5120, 17408, dict(reps=2, waves=16.0))]
+             (13, 5120, 17408, dict(reps=2, waves=16.0)),
+             # the group loop pipelined through shared memory (stages), few and many groups
+             (16, 17408, 5120, dict(reps=2, waves=8.0, stages=2)),
+             (4, 5120, 17408, dict(reps=2, splits=4, stages=3)),
+             (16, 15680, 5120, dict(reps=2, splits=1, stages=2))]
     for m, n, k, kw in cases:
         bn = 32 * kw.get("reps", 2) * kw.get("num_warps", 1)
         if bits != 4 and n % bn:  # the known ragged-N bug at 2/3 bits (gemm_tc.py): refused

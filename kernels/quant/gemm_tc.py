@@ -260,7 +260,7 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    OFFS: tl.constexpr, ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr,
                    ASM_PAIRS: tl.constexpr, CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr,
                    XS: tl.constexpr, ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
-                   SWIGLU: tl.constexpr = False):
+                   SWIGLU: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums groups g0 .. g1 - 1 for its BN output rows and all M <= 8 T
     sequences (T = 1 or 2 batch tiles of 8). x row m at x_ptr + m stride_xm; SWIGLU: x =
@@ -299,7 +299,7 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     xoff = c4 * NS + js  # [4, 1, 1, NS]: word row c NS + s of the group
     g0 = pid_k * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, num_groups)
-    for grp in range(g0, g1):
+    for grp in tl.range(g0, g1, num_stages=STAGES):
         f0 = zero
         f1 = zero
         f2 = zero
@@ -406,13 +406,14 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
 def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
             group_size: int, out: torch.Tensor | None = None, reps: int = 2,
             num_warps: int = 1, waves: float = 16.0, splits: int | None = None,
-            swiglu: bool = False) -> torch.Tensor:
+            swiglu: bool = False, stages: int = 1) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, 2 <= M <= 16, x bf16 with unit stride along K (any row
     stride); out (optional) [M, N] bf16 or fp32, contiguous. swiglu: x [M, 2K] holds (gate, up)
     and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into the x loads.
 
     reps: 32-row slabs per warp (BN = 32 reps num_warps rows per program); split-K over groups
-    to about `waves` programs per SM (or `splits`)."""
+    to about `waves` programs per SM (or `splits`). stages > 1: the group loop software-
+    pipelined by Triton (weights through shared memory by cp.async, as gemv_tc's `stages`)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -442,5 +443,6 @@ def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, m, n, k, num_groups, gps, ns,
         x.stride(0), k, BITS=bits, G=group_size, WA=wa, L=reps, Q=q, T=t_tiles, SPLIT_K=ns > 1,
         USE_ASM=not _interpreting(), EVEN=n % bn == 0,
-        **kernel_consts(bits, t_tiles, wa // 4), SWIGLU=swiglu, num_warps=num_warps)
+        **kernel_consts(bits, t_tiles, wa // 4), SWIGLU=swiglu, STAGES=stages,
+        num_warps=num_warps)
     return out

@@ -335,11 +335,13 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
     return _save_compare(data, out, "gemv_compare.json", t0)
 
 
-# --m16-compare: tensor-core GEMM configs (reps, warps, waves): BN = 64 rows per 1-warp program
-# with split-K to ~8 / ~4 programs per SM (the fp32 partials grow with M), BN = 128 (4 reps:
-# the X/B mma and x pair build shared by twice the rows; ~240 registers, no spills) at ~4
-GEMM16_CFGS = [dict(reps=2, num_warps=1, waves=8.0), dict(reps=2, num_warps=1, waves=4.0),
-               dict(reps=4, num_warps=1, waves=4.0)]
+# --m16-compare: tensor-core GEMM configs: the engine's (BN = 64 rows per 1-warp program,
+# split-K to ~8 programs per SM), and its group loop pipelined through shared memory (stages 2
+# or 3; fewer splits, so that a program has groups to pipeline over)
+GEMM16_CFGS = [dict(reps=2, num_warps=1, waves=8.0),
+               dict(reps=2, num_warps=1, waves=8.0, stages=2),
+               dict(reps=2, num_warps=1, waves=4.0, stages=2),
+               dict(reps=2, num_warps=1, waves=4.0, stages=3)]
 M16_MS = [2, 4, 8, 16]
 M16_SMOKE_SHAPES = [(96, 256)]
 
