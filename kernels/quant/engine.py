@@ -63,6 +63,13 @@ NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
 
+def _takes_gemv_tc(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> bool:
+    """Whether a call with x [M, K'] (K = k inputs per row) and N = n outputs goes to the
+    tensor-core GEMV: M = 1, the tc path on, both dims at the size floor, a supported format."""
+    return (x.shape[0] == 1 and GEMV_PATH == "tc" and min(k, n) >= TC_MIN_DIM
+            and gemv_tc.supported(x, bits, group_size, n))
+
+
 def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
                  bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (any float dtype; bf16 in the engine) -> y [M, N] in x's dtype.
@@ -75,8 +82,7 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     m = x.shape[0]
     n = qa.shape[1]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
-    if (m == 1 and GEMV_PATH == "tc" and min(k, n) >= TC_MIN_DIM
-            and gemv_tc.supported(x, bits, group_size, n)):
+    if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **GEMV_TC_CONFIG[bits])
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
@@ -105,11 +111,8 @@ def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
     """(y, h): h = x + residual and y = RMSNorm(h) @ W^T (norm weight [K]) in one launch, for
     x, residual [1, K]; None where no kernel folds the norm (NORM_FOLD off, M > 1, a shape or
     dtype the tensor-core GEMV does not take): the caller then runs the norm kernel first."""
-    m, k = x.shape
-    n = qa.shape[1]
-    if not (NORM_FOLD and m == 1 and GEMV_PATH == "tc" and min(k, n) >= TC_MIN_DIM
-            and gemv_tc.supported(x, bits, group_size, n) and x.is_contiguous()
-            and residual.is_contiguous() and residual.shape == x.shape
+    if not (NORM_FOLD and _takes_gemv_tc(x, x.shape[1], qa.shape[1], bits, group_size)
+            and x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape
             and residual.dtype == norm_weight.dtype == x.dtype):
         return None
     h = torch.empty_like(x)
