@@ -13,7 +13,9 @@ paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV an
 (the default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores
 (the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
 batch-1 GEMV (engine.NORM_FOLD), +late = gemv_tc's PDL trigger after its main loop
-(pdl.LATE_TRIGGER); e.g. mixed:16@8+fold+late. PDL itself is per process (VOLUNDR_PDL).
+(pdl.LATE_TRIGGER), +sN = the tensor-core GEMV/GEMM's weights pipelined through shared memory
+in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+late+s2.
+PDL itself is per process (VOLUNDR_PDL).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
@@ -373,7 +375,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
-    defaults = qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER
+    defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
+                qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -381,12 +384,19 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.NORM_FOLD = True
         elif sfx == "late":
             pdl.LATE_TRIGGER = True
+        elif sfx[:1] == "s" and sfx[1:].isdigit():
+            st = int(sfx[1:])
+            qengine.GEMV_TC_CONFIG = {b: {**c, "stages": st}
+                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
+            qengine.GEMM16_TC_CONFIG = {b: {**c, "stages": st}
+                                        for b, c in qengine.GEMM16_TC_CONFIG.items()}
         else:
-            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late)")
+            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:
-        qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER = defaults
+        (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
+         qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:

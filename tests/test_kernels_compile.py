@@ -11,6 +11,7 @@ compilation only (a subprocess, so the stand-in driver never reaches other tests
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,8 @@ def _install_fake_driver() -> list[str]:
         compiled.append(self.__name__)
         if kwargs.get("launch_pdl"):
             PDL_PTX.append((self.__name__, kernel.asm["ptx"]))
+        if self.__name__ in ("gemv_tc_kernel", "gemm_tc_kernel"):
+            TC_TTGIR.append((self.__name__, kernel.asm["ttgir"]))
         return kernel
 
     jit.JITFunction.run = compile_only
@@ -53,6 +56,27 @@ def _install_fake_driver() -> list[str]:
 
 
 PDL_PTX: list[tuple[str, str]] = []  # (name, PTX) of each kernel launched with PDL
+TC_TTGIR: list[tuple[str, str]] = []  # (name, TTGIR) of each tensor-core GEMV / GEMM compile
+FRAGMENT = ("sizePerThread = [1, 1, 1, 4]", "threadsPerWarp = [4, 8, 1, 1]")
+
+
+def fragment_layout_errors(kernels: list[tuple[str, str]]) -> list[str]:
+    """The tensor-core kernels' inline PTX (pack = 4: a lane's 4 words / 4 outputs) is right
+    only on the mma fragment layout (gemv_tc.py's docstring: 4 consecutive elements per lane,
+    lane = 4 quad + c); Triton picks layouts from the loads' alignment, and a ragged N once
+    gave gemm_tc a 2-wide one (wrong results on the H200). Read off the TTGIR of one-warp
+    compiles: every pack-4 inline asm produces tensors of that layout."""
+    errors = []
+    for name, ttgir in kernels:
+        layouts = dict(re.findall(r"^#(\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M))
+        for line in ttgir.splitlines():
+            if "elementwise_inline_asm" not in line or "packed_element = 4" not in line:
+                continue
+            for lay in re.findall(r"tensor<4x\d+x\d+x4x(?:f32|i32), #(\w+)>",
+                                  line.split("->")[-1]):
+                if not all(f in layouts.get(lay, "") for f in FRAGMENT):
+                    errors.append(f"{name}: inline asm on #{lay} = {layouts.get(lay)}")
+    return sorted(set(errors))
 
 
 def pdl_order_errors(kernels: list[tuple[str, str]]) -> list[str]:
@@ -170,6 +194,15 @@ def compile_all() -> list[str]:
                               splits=1, stages=2)
         quant.gemm_tc.gemm_tc(torch.randn(16, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
                               splits=1, stages=2)
+        # a ragged N (not a multiple of the tile, nor of 16), 1 and 2 batch tiles; G = 64
+        for g in (128, 64) if bits == 4 else (128,):
+            w2 = torch.randn(200, 1024) / 32
+            qw2, s2, zr2 = minmax_quant(w2, bits, g)
+            qa2, qb2 = to_kernel_layout(qw2, bits, g)
+            for m in (1, 5, 12):
+                tc = quant.gemv_tc.gemv_tc if m == 1 else quant.gemm_tc.gemm_tc
+                tc(torch.randn(m, 1024, dtype=bf), qa2, qb2, pack_scale_zero(s2, zr2), bits, g,
+                   reps=1)
         fold, quant.NORM_FOLD = quant.NORM_FOLD, True  # residual add + RMSNorm in the GEMV
         v = torch.randn(3, 1, 1024, dtype=bf)
         assert quant.quant_matmul_rms_norm(v[0], v[1], v[2, 0], 1e-6, qa, qb, sz, bits, 128)
@@ -202,6 +235,9 @@ def test_kernels_compile_for_sm90(pdl):
 
 if __name__ == "__main__":
     print(" ".join(sorted(set(compile_all()))))
+    bad = fragment_layout_errors(TC_TTGIR)
+    if len(TC_TTGIR) < 20 or bad:
+        sys.exit(f"tensor-core kernels off the fragment layout ({len(TC_TTGIR)} compiles): {bad}")
     if os.environ.get("VOLUNDR_PDL") == "1":
         names = {n for n, _ in PDL_PTX}
         errors = pdl_order_errors(PDL_PTX)

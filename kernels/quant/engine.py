@@ -39,6 +39,9 @@ if GEMV_PATH not in ("fma", "tc"):
 # warp more per SM capped) 1-9% faster at the engine's shapes (5120x5120: 4% slower, unused at
 # 2 bits); 4-bit (110 uncapped: the cap only changes ptxas's schedule) the lm_head 1.30x, the
 # others within -1%..+2%; 3-bit spills under the cap (10-30% slower) and keeps its 168.
+# Tried and kept off (session 6, perf/RESULTS.md): stages=2 (weights through shared memory by
+# cp.async: 1.5-2.3x slower at every shape); waves 48 (the kernel bench's gate_up 3-bit 38.7 ->
+# 33.2 us, but in the engine 28.2 -> 30.3 us and decode 137.4 -> 135.7 tok/s).
 GEMV_TC_CONFIG = {2: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
                   3: dict(reps=2, num_warps=1, waves=24.0),
                   4: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128)}
@@ -46,19 +49,19 @@ TC_MIN_DIM = 4096
 BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
 # 2 <= M <= 16 on the tensor cores with x^T as the mma's B operand (gemm_tc.py: gemv_tc's
 # bf16x2 dequantisation shared by all M rows), the default since 2026-12-03;
-# VOLUNDR_QUANT_GEMM16=tile (the tl.dot tiles) goes back. Same size floor as the M = 1 tc path;
-# 2/3-bit only when N is a multiple of GEMM16_TC_N (gemm_tc's ragged-N bug, see there).
+# VOLUNDR_QUANT_GEMM16=tile (the tl.dot tiles) goes back. Same size floor as the M = 1 tc path.
 GEMM16_PATH = os.environ.get("VOLUNDR_QUANT_GEMM16", "tc")
 if GEMM16_PATH not in ("tile", "tc"):
     raise ValueError(f"VOLUNDR_QUANT_GEMM16 must be tile or tc, not {GEMM16_PATH!r}")
 # reps 2, waves 8: within 5% of the best config of the H200 comparison at every shape but the
 # 2/3-bit lm_head at M = 16 (1.19x / 1.40x its best, reps 4 waves 4)
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
-GEMM16_TC_N = {b: 32 * c["reps"] * c["num_warps"] for b, c in GEMM16_TC_CONFIG.items()}  # BN
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
-# launches per Volundr-32B token less (2.8 us each on the H200, run 8). Opt-in with
-# VOLUNDR_NORM_FOLD=1 until it has run on the GPU (tests and decode speed).
+# launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
+# tests, run 11) but slower: decode 137.4 -> 124.5 tok/s, graph 7.06 -> 7.73 ms (each GEMV
+# program's prologue adds a dependent trip through memory, and the GEMVs are latency-bound,
+# ~8 us fixed per call). Opt-in with VOLUNDR_NORM_FOLD=1.
 NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
@@ -86,7 +89,6 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **GEMV_TC_CONFIG[bits])
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
-            and (bits == 4 or n % GEMM16_TC_N[bits] == 0)
             and gemm_tc.supported(x, bits, group_size, n)):
         return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **GEMM16_TC_CONFIG[bits])

@@ -269,6 +269,11 @@ def gemm_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
     NS: tl.constexpr = WA // 4  # steps per group (lane c: word rows c NS .. c NS + NS - 1)
+    # N % 4 == 0 (`supported`), told to the compiler: with N not a multiple of 16 it would
+    # otherwise not know that a lane's 4 words are one aligned 16-byte run under one mask bit,
+    # and the ragged-N loads would pick a 2-wide layout that breaks the mma fragments (wrong
+    # results at NS = 2 steps per group, 2/3-bit and 4-bit G = 64, on the H200 2026-12-03)
+    N = (N // 4) * 4
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)  # fragment layout (gemv_tc)
@@ -423,12 +428,6 @@ def gemm_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     num_groups = k // group_size
     q = 8 * num_warps
     bn = 4 * reps * q
-    if bits != 4 and n % bn and not _interpreting():
-        # Known bug: on the H200 (2026-12-03) 2/3-bit results are wrong when N is not a
-        # multiple of BN (rel. error 20-200; ragged group counts and 4-bit are right, and the
-        # interpreter twin is right), so the PTX path refuses that case (the engine never
-        # sends it, see engine.py).
-        raise ValueError(f"gemm_tc: {bits}-bit needs N % BN == 0 (N {n}, BN {bn})")
     n_tiles = triton.cdiv(n, bn)
     t_tiles = 1 if m <= 8 else 2
     gps, ns = split_k(n_tiles, num_groups, x.device, waves, splits)

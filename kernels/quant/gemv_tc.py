@@ -553,7 +553,8 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     into the matmul: two launches less per layer); all bf16 with unit stride.
     stages > 1: the loop over a program's sets is software-pipelined by Triton (the weights go
     through shared memory by cp.async, `stages` sets in flight, no registers held for them):
-    more bytes in flight per warp, fewer programs per SM (shared memory)."""
+    more bytes in flight per warp, fewer programs per SM (shared memory). On the H200 (session
+    6) 1.5-2.3x slower than stages=1 at every engine shape: kept as an option, not used."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
