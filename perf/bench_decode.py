@@ -13,8 +13,10 @@ paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV an
 (the default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores
 (the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
 batch-1 GEMV (engine.NORM_FOLD), +late = gemv_tc's PDL trigger after its main loop
-(pdl.LATE_TRIGGER), +sN = the tensor-core GEMV/GEMM's weights pipelined through shared memory
-in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+late+s2.
+(pdl.LATE_TRIGGER), +early = its first weights of each set loaded before the PDL wait
+(pdl.EARLY_WEIGHTS: 4-bit GEMVs), +sN = the tensor-core GEMV/GEMM's weights pipelined through
+shared memory in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g.
+mixed:16@8+fold+late+s2.
 PDL itself is per process (VOLUNDR_PDL).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
@@ -151,16 +153,18 @@ def profile_step(engine: LLMEngine, path: str, batch: int = 1) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    k = engine.ecfg.decode_steps  # tokens per engine step: the sequences must outlive the profile
+    steps = 3
+    p = SamplingParams(max_tokens=(steps + 2) * k + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(list(range(16, 80)), p, f"prof{i}")
     engine.step()  # prefill
     engine.step()
-    steps = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         sync()
+    assert engine.has_unfinished(), "the sequences ended inside the profile"
     while engine.has_unfinished():
         engine.step()
     engine.runner.graphs = graphs
@@ -172,16 +176,17 @@ def profile_step(engine: LLMEngine, path: str, batch: int = 1) -> dict:
             continue
         name = ev.key
         cat = next((c for c, rx in CATEGORIES if re.search(rx, name, re.I)), "other")
-        cats[cat] += us / steps
-        rows.append((us / steps, ev.count // steps, cat, name))
+        cats[cat] += us / (steps * k)
+        rows.append((us / (steps * k), ev.count / (steps * k), cat, name))
     rows.sort(reverse=True)
     with open(path, "a") as f:
-        f.write(f"# eager decode step, batch {batch}: us per step, launches per step, kernel\n")
+        f.write(f"# eager decode, batch {batch} ({k} tokens per engine step): us per token, "
+                "launches per token, kernel\n")
         for us, n, cat, name in rows[:60]:
-            f.write(f"{us:10.1f} {n:5d} {cat:13s} {name[:140]}\n")
-    return {"batch": batch, "kernel_us_per_step": dict(sorted(cats.items())),
+            f.write(f"{us:10.1f} {n:7.2f} {cat:13s} {name[:140]}\n")
+    return {"batch": batch, "kernel_us_per_token": dict(sorted(cats.items())),
             "kernel_ms_total": sum(cats.values()) / 1e3,
-            "launches_per_step": sum(r[1] for r in rows)}
+            "launches_per_token": round(sum(r[1] for r in rows), 1)}
 
 
 def profile_host(engine: LLMEngine, path: str, steps: int = 30) -> dict:
@@ -189,7 +194,8 @@ def profile_host(engine: LLMEngine, path: str, steps: int = 30) -> dict:
     runtime calls by self time (top 40 to `path`), per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    p = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    k = engine.ecfg.decode_steps  # tokens per engine step
+    p = SamplingParams(max_tokens=(steps + 6) * k + 8, temperature=0.0, ignore_eos=True)
     engine.add_request(list(range(16, 80)), p, "host")
     for _ in range(4):
         engine.step()
@@ -199,17 +205,18 @@ def profile_host(engine: LLMEngine, path: str, steps: int = 30) -> dict:
         for _ in range(steps):
             engine.step()
         sync()
-    wall = (time.perf_counter() - t) / steps
+    wall = (time.perf_counter() - t) / (steps * k)
+    assert engine.has_unfinished(), "the sequence ended inside the profile"
     while engine.has_unfinished():
         engine.step()
-    rows = sorted(((ev.self_cpu_time_total / steps, ev.count // steps, ev.key)
+    rows = sorted(((ev.self_cpu_time_total / (steps * k), ev.count / (steps * k), ev.key)
                    for ev in prof.key_averages()), reverse=True)
     with open(path, "a") as f:
-        f.write(f"# graph decode step, batch 1 (profiled wall {wall * 1e3:.2f} ms/step): "
-                "self CPU us per step, calls per step, op\n")
+        f.write(f"# graph decode, batch 1, {k} tokens per engine step (profiled wall "
+                f"{wall * 1e3:.2f} ms/token): self CPU us per token, calls per token, op\n")
         for us, n, name in rows[:40]:
-            f.write(f"{us:10.1f} {n:5d} {name[:120]}\n")
-    return {"wall_ms_per_step": wall * 1e3,
+            f.write(f"{us:10.1f} {n:7.2f} {name[:120]}\n")
+    return {"wall_ms_per_token": wall * 1e3,
             "top_self_cpu_us": {name[:60]: round(us, 1) for us, _, name in rows[:8]}}
 
 
@@ -376,7 +383,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         torch.cuda.reset_peak_memory_stats()
     paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
-                qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG)
+                pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -384,6 +391,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.NORM_FOLD = True
         elif sfx == "late":
             pdl.LATE_TRIGGER = True
+        elif sfx == "early":
+            pdl.EARLY_WEIGHTS = True
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             st = int(sfx[1:])
             qengine.GEMV_TC_CONFIG = {b: {**c, "stages": st}
@@ -391,12 +400,12 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMM16_TC_CONFIG = {b: {**c, "stages": st}
                                         for b, c in qengine.GEMM16_TC_CONFIG.items()}
         else:
-            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, sN)")
+            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, early, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
-         qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG) = defaults
+         pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:

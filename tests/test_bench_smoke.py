@@ -8,18 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+MIXED = "mixed@2+fold+late+early+s2"  # every suffix (the kernels' switches) once
+
 
 def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
     out = tmp_path / "decode.json"
     script = Path(__file__).parents[1] / "perf" / "bench_decode.py"
     r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu",
-                        "--out", str(out), "--variants", "mixed@2+fold+late,bf16,bf16+nope",
+                        "--out", str(out), "--variants", f"{MIXED},bf16,bf16+nope",
                         "--tokens", "8",
                         "--copy-gib", "0.05", "--prefill-lens", "40"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert [run["variant"] for run in res["runs"]] == ["mixed@2+fold+late", "bf16", "bf16+nope"]
+    assert [run["variant"] for run in res["runs"]] == [MIXED, "bf16", "bf16+nope"]
     assert "unknown suffix +nope" in res["runs"].pop()["error"]  # recorded, the rest kept
     for run in res["runs"]:
         assert run["single"]["decode_tokens"] == 7 and run["batch16"]["decode_tokens"] == 16 * 3

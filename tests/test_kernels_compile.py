@@ -211,13 +211,14 @@ def compile_all() -> list[str]:
     return compiled
 
 
-@pytest.mark.parametrize("pdl", ["0", "1", "1+prefetch+late"])
+@pytest.mark.parametrize("pdl", ["0", "1", "1+prefetch+late+early"])
 def test_kernels_compile_for_sm90(pdl):
     """pdl=1: programmatic dependent launch (volundr.kernels.pdl; the default on sm_90), and
-    with the GEMVs' L2 prefetches and late trigger (both off by default)."""
+    with the GEMVs' L2 prefetches, late trigger and early weight loads (off by default)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl[0],
                VOLUNDR_PDL_PREFETCH="1" if "prefetch" in pdl else "0",
-               VOLUNDR_PDL_TRIGGER="late" if "late" in pdl else "top")
+               VOLUNDR_PDL_TRIGGER="late" if "late" in pdl else "top",
+               VOLUNDR_PDL_EARLY="1" if "early" in pdl else "0")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=900)

@@ -304,6 +304,12 @@ def run_cpu(group: str) -> None:
             check_tc(128, 1024, bits, 128, "cpu", _seed(), reps=4)  # EVEN, split-K
             check_tc(64, 640, bits, 128, "cpu", _seed(), reps=1, num_warps=2)  # 5 groups
             check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, stages=2)  # 3 sets
+            # each set's first block of words loaded before the PDL wait (VOLUNDR_PDL_EARLY):
+            # several sets per program, a ragged N and last set, G = 64
+            check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=True)
+            check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=True)
+            if bits != 3:
+                check_tc(64, 512, bits, 64, "cpu", _seed(), reps=1, splits=1, early=True)
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
                      reps=1, splits=1)
             # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
@@ -812,6 +818,23 @@ def test_cuda_gemv_tc_pipelined_sets(bits):
         for stages, splits in ((2, 2), (3, 1), (2, None)):
             check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, stages=stages,
                      splits=splits)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_gemv_tc_early_weights(bits):
+    """gemv_tc with each set's first block of weight words loaded before the PDL wait: == naive
+    at Volundr-32B shapes, one set per program and several, and in a replayed CUDA graph of
+    PDL launches (the engine's setting)."""
+    for n, k in ((17408, 5120), (5120, 17408), (15680, 5120)):
+        for splits in (None, 2):
+            check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, splits=splits,
+                     early=True)
+    from functools import partial
+
+    from volundr.kernels.quant.gemv_tc import gemv_tc
+
+    check_graph_replay(partial(gemv_tc, early=True), 1, bits)
 
 
 @gpu

@@ -378,14 +378,18 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
                    SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
-                   NORM: tl.constexpr = False, STAGES: tl.constexpr = 1):
+                   NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
+                   EARLY_W: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
     NORM: y = RMSNorm(x + r) W^T, with norm weight nw, and h = x + r written: RMSNorm(v) =
     v w / rms(v) and 1 / rms(v) is one scalar, so the matmul runs on v w (staged in the scratch
     xs) and y is scaled at the end by the sum of squares of all K (split-K: a partial per split,
-    in ss_ptr)."""
+    in ss_ptr).
+    EARLY_W (PDL): each set's first block of weight words is loaded before `griddepcontrol.wait`
+    (weights are never written by an earlier kernel), so a program made resident while the
+    kernel before drains has its first HBM trip under way; later sets wait again (a no-op)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -402,7 +406,11 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         if BITS == 3:
             _prefetch_rows(qb_ptr, set0 * 2 * WA, set1 * 2 * WA, pid_n * BN, N, PF_ASM)
         _prefetch_rows(sz_ptr, set0 * 4, set1 * 4, pid_n * BN, N, PF_ASM)
-    pdl.wait()  # x and the split-K workspace come from earlier kernels
+    # not with NORM (its prologue reads x before the loop) nor STAGES > 1 (the pipeliner hoists
+    # the first set's loads, x's too, above the loop and so above its wait)
+    EARLY: tl.constexpr = EARLY_W and not NORM and STAGES == 1
+    if not EARLY:
+        pdl.wait()  # x and the split-K workspace come from earlier kernels
     c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)
     # mma B operand: lane (quad g, c) supplies column g, which must hold only group c's x
     sel = ((q4 % 8) // 2) == c4  # [4, Q, 1, 1]
@@ -434,6 +442,14 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         xo = grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
         for blk in tl.static_range(NBLK):
+            early = ()
+            if EARLY and blk == 0:  # the block's words before the wait (see the docstring)
+                for s in tl.static_range(4):
+                    early = early + (_ld(qa_ptr + (grp * WA + s) * N + n, wmask, not EVEN),)
+                    if BITS == 3:
+                        early = early + (_ld(qb_ptr + (grp * (WA // 2) + s % (WA // 2)) * N + n,
+                                             wmask, not EVEN),)
+                pdl.wait()
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
@@ -452,13 +468,19 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             # would turn into a tensor)
             for s in tl.static_range(4):
                 r = blk * 4 + s
-                w0 = _ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN)
-                if BITS == 3:
-                    b = _ld(qb_ptr + (grp * (WA // 2) + r % (WA // 2)) * N + n, wmask,
-                            not EVEN)
-                    words = (w0, b)
+                if EARLY and blk == 0:
+                    if BITS == 3:
+                        words = (early[2 * s], early[2 * s + 1])
+                    else:
+                        words = (early[s],)
                 else:
-                    words = (w0,)
+                    w0 = _ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN)
+                    if BITS == 3:
+                        b = _ld(qb_ptr + (grp * (WA // 2) + r % (WA // 2)) * N + n, wmask,
+                                not EVEN)
+                        words = (w0, b)
+                    else:
+                        words = (w0,)
                 if USE_ASM:
                     d = tl.inline_asm_elementwise(ASM_STEP[(blk * 4) // (WA // 2) * 4 + s],
                                                   CONS_STEP, (d,) + words + xps,
@@ -478,6 +500,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         zr = (szw & -65536).to(tl.float32, bitcast=True)
         # d = B + sum q x over the lane's group; masked groups: s = 0
         acc += sc * (d - (bsum + zr * xsum))
+    if EARLY:  # every path waits before its stores and atomics (a no-op after the loop's)
+        pdl.wait()
     if LATE_TRIGGER:  # the successor's programs become resident only as this one winds down
         pdl.trigger()
     y = tl.sum(acc, axis=0)  # [Q, L, 4]: the 4 groups of a set (lanes c)
@@ -540,7 +564,8 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             group_size: int, out: torch.Tensor | None = None, reps: int = 4,
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
-            norm: tuple | None = None, stages: int = 1) -> torch.Tensor:
+            norm: tuple | None = None, stages: int = 1,
+            early: bool | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -554,7 +579,10 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     stages > 1: the loop over a program's sets is software-pipelined by Triton (the weights go
     through shared memory by cp.async, `stages` sets in flight, no registers held for them):
     more bytes in flight per warp, fewer programs per SM (shared memory). On the H200 (session
-    6) 1.5-2.3x slower than stages=1 at every engine shape: kept as an option, not used."""
+    6) 1.5-2.3x slower than stages=1 at every engine shape: kept as an option, not used.
+    early: each set's first block of words loaded before the PDL wait (EARLY_W); default
+    pdl.EARLY_WEIGHTS at 4 bits only (sm_90 compile: 4-bit stays at 128 registers, 2-bit
+    spills under its 128 cap, 3-bit grows from 168 to 203 registers)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -592,6 +620,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
         SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
+        EARLY_W=(pdl.EARLY_WEIGHTS and bits == 4) if early is None else early,
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out

@@ -213,30 +213,32 @@ def plot(data: dict, path: str) -> None:
 
 # --m1-compare: the engine's FMA config per bit width vs tensor-core configs: the engine's
 # (reps 2 = 64 rows per 1-warp program, waves 24 = one set of 4 groups per program at K = 5120,
-# 128 registers), the set loop pipelined through shared memory (stages 2) with one set per
-# program or ~3 (waves 8), and one wave of programs at 128 registers (waves 12; 16 fit per SM)
+# 128 registers at 2/4 bits), the same with each set's first block of weights loaded before the
+# PDL wait (early; the kernels of the timed graph launch with PDL), and early without the cap.
+# (Session 6 measured stages 2 at 1.5-2.3x slower and waves 16-48 the same: not swept again.)
 TC_CFGS = [dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
-           dict(reps=2, num_warps=1, waves=24.0, stages=2),
-           dict(reps=2, num_warps=1, waves=8.0, stages=2),
-           dict(reps=1, num_warps=1, waves=24.0, stages=2),
-           dict(reps=2, num_warps=1, waves=12.0, maxnreg=128)]
+           dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=True),
+           dict(reps=2, num_warps=1, waves=24.0, early=True)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
 # the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up
 M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
 
 
 def parse_cfgs(text: str) -> list[dict]:
-    """"reps,warps,waves[,maxnreg[,stages]];..." -> [dict(reps=, num_warps=, waves=, ...)]
-    (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages = its
-    software-pipelined set loop, weights through shared memory)."""
+    """"reps,warps,waves[,maxnreg[,stages[,early]]];..." -> [dict(reps=, num_warps=, waves=,
+    ...)] (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages =
+    its software-pipelined set loop, weights through shared memory; early = 1: the first block
+    of weights of each set loaded before the PDL wait)."""
     out = []
     for part in filter(None, text.split(";")):
         f = part.split(",")
         cfg = dict(reps=int(f[0]), num_warps=int(f[1]), waves=float(f[2]))
         if len(f) > 3 and f[3]:
             cfg["maxnreg"] = int(f[3])
-        if len(f) > 4:
+        if len(f) > 4 and f[4]:
             cfg["stages"] = int(f[4])
+        if len(f) > 5:
+            cfg["early"] = f[5] == "1"
         out.append(cfg)
     return out
 
@@ -420,8 +422,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     ap.add_argument("--tc-configs", default="",
-                    help='--m1/--m16-compare: tensor-core configs '
-                         '"reps,warps,waves[,maxnreg[,stages]];..." instead of the built-in list')
+                    help='--m1/--m16-compare: tensor-core configs "reps,warps,waves'
+                         '[,maxnreg[,stages[,early]]];..." instead of the built-in list')
     args = ap.parse_args(argv)
     if args.m1_compare or args.m16_compare:
         if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
