@@ -51,10 +51,11 @@ PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "0") == "1"
 # top (run 9: with PDL the 5120x5120 GEMVs, whose programs all start at once, got 2.1 us
 # slower; one suspect is the successor's programs resident and waiting beside them all along)
 LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "top") == "late"
-# VOLUNDR_PDL_EARLY=1: the tensor-core GEMV loads each set's first block of weight words before
-# it waits (into registers: a few loads per lane, unlike the L2 prefetch of all its weights).
-# Session 6 found ~6.5 us of every GEMV call fixed latency; this hides the first HBM trip of
-# programs that become resident while the kernel before drains. Not yet measured: off.
+# VOLUNDR_PDL_EARLY=1: the 3/4-bit tensor-core GEMVs load each set's first block of weight words
+# before they wait (into registers: a few loads per lane, unlike the L2 prefetch of all their
+# weights). Session 6 found ~6.5 us of every GEMV call fixed latency; this hides the first HBM
+# trip of programs made resident while the kernel before drains. Kernel bench (run 14): 3-bit
+# 9-20% faster at the engine's shapes, 4-bit 1-6%; off until measured end to end.
 EARLY_WEIGHTS = os.environ.get("VOLUNDR_PDL_EARLY", "0") == "1"
 
 

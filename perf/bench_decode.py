@@ -14,7 +14,7 @@ paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV an
 (the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
 batch-1 GEMV (engine.NORM_FOLD), +late = gemv_tc's PDL trigger after its main loop
 (pdl.LATE_TRIGGER), +early = its first weights of each set loaded before the PDL wait
-(pdl.EARLY_WEIGHTS: 4-bit GEMVs), +sN = the tensor-core GEMV/GEMM's weights pipelined through
+(pdl.EARLY_WEIGHTS: 3/4-bit GEMVs), +sN = the tensor-core GEMV/GEMM's weights pipelined through
 shared memory in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g.
 mixed:16@8+fold+late+s2.
 PDL itself is per process (VOLUNDR_PDL).

@@ -581,8 +581,9 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     more bytes in flight per warp, fewer programs per SM (shared memory). On the H200 (session
     6) 1.5-2.3x slower than stages=1 at every engine shape: kept as an option, not used.
     early: each set's first block of words loaded before the PDL wait (EARLY_W); default
-    pdl.EARLY_WEIGHTS at 4 bits only (sm_90 compile: 4-bit stays at 128 registers, 2-bit
-    spills under its 128 cap, 3-bit grows from 168 to 203 registers)."""
+    pdl.EARLY_WEIGHTS at 3 and 4 bits (H200 kernel bench, run 14, PDL launches: 3-bit 9-20%
+    faster at every engine shape, 4-bit 1-6%; 2-bit spills under its 128 cap and is 1-6%
+    slower, uncapped 1-3% slower)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -620,7 +621,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
         SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
-        EARLY_W=(pdl.EARLY_WEIGHTS and bits == 4) if early is None else early,
+        EARLY_W=(pdl.EARLY_WEIGHTS and bits != 2) if early is None else early,
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out
