@@ -61,7 +61,7 @@ PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
 # tests, run 11) but slower: decode 137.4 -> 124.5 tok/s, graph 7.06 -> 7.73 ms (each GEMV
 # program's prologue adds a dependent trip through memory, and the GEMVs are latency-bound,
-# ~8 us fixed per call). Opt-in with VOLUNDR_NORM_FOLD=1.
+# ~6.5 us fixed per call). Opt-in with VOLUNDR_NORM_FOLD=1.
 NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
