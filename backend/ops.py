@@ -99,10 +99,11 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
     if fast is not None and fast.decode_fits(T, conv_weight.shape[-1]):
         return fast.kda_decode(qkv, conv_weight, conv_state, g_raw, beta_raw, state, slot_ids,
                                scale, A_log, dt_bias)
-    if fast is None and not bool((slot_ids >= 0).all()):
+    live = slot_ids >= 0
+    if fast is None and not bool(live.all()):
         # padding rows (the kernels skip them; the naive ops would index with -1): the live rows
         o = qkv.new_zeros(T, H, V)
-        i = (slot_ids >= 0).nonzero().squeeze(1)
+        i = live.nonzero().squeeze(1)
         n = i.numel()
         cu = torch.arange(n + 1, dtype=torch.int32, device=qkv.device)
         o[i] = kda_decode(qkv[i], conv_weight, conv_state, g_raw[i], beta_raw[i], state,

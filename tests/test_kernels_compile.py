@@ -173,11 +173,13 @@ def compile_all() -> list[str]:
                        torch.zeros(H * K, dtype=bf))
 
     # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
+    def layer(n: int, bits: int, g: int = 128) -> tuple[torch.Tensor, ...]:
+        """qa, qb, sz of a random [n, 1024] linear in the kernel layout."""
+        qw, s, zr = minmax_quant(torch.randn(n, 1024) / 32, bits, g)
+        return *to_kernel_layout(qw, bits, g), pack_scale_zero(s, zr)
+
     for bits in (2, 3, 4):
-        w = torch.randn(256, 1024) / 32
-        qw, s, zr = minmax_quant(w, bits, 128)
-        qa, qb = to_kernel_layout(qw, bits, 128)
-        sz = pack_scale_zero(s, zr)
+        qa, qb, sz = layer(256, bits)
         for m in (1, 16, 64, 256):
             quant.quant_matmul(torch.randn(m, 1024, dtype=bf), qa, qb, sz, bits, 128)
         paths = (quant.GEMV_PATH, quant.GEMM16_PATH, quant.TC_MIN_DIM)
@@ -196,13 +198,10 @@ def compile_all() -> list[str]:
                               splits=1, stages=2)
         # a ragged N (not a multiple of the tile, nor of 16), 1 and 2 batch tiles; G = 64
         for g in (128, 64) if bits == 4 else (128,):
-            w2 = torch.randn(200, 1024) / 32
-            qw2, s2, zr2 = minmax_quant(w2, bits, g)
-            qa2, qb2 = to_kernel_layout(qw2, bits, g)
+            ragged = layer(200, bits, g)
             for m in (1, 5, 12):
                 tc = quant.gemv_tc.gemv_tc if m == 1 else quant.gemm_tc.gemm_tc
-                tc(torch.randn(m, 1024, dtype=bf), qa2, qb2, pack_scale_zero(s2, zr2), bits, g,
-                   reps=1)
+                tc(torch.randn(m, 1024, dtype=bf), *ragged, bits, g, reps=1)
         fold, quant.NORM_FOLD = quant.NORM_FOLD, True  # residual add + RMSNorm in the GEMV
         v = torch.randn(3, 1, 1024, dtype=bf)
         assert quant.quant_matmul_rms_norm(v[0], v[1], v[2, 0], 1e-6, qa, qb, sz, bits, 128)
