@@ -47,16 +47,19 @@ def _enabled() -> bool:
 ON = tl.constexpr(_enabled())
 # With PDL, the tensor-core GEMVs can also prefetch their weights into L2 before waiting
 PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "0") == "1"
-# VOLUNDR_PDL_TRIGGER=late: the tensor-core GEMV triggers after its main loop instead of at the
-# top (run 9: with PDL the 5120x5120 GEMVs, whose programs all start at once, got 2.1 us
-# slower; one suspect is the successor's programs resident and waiting beside them all along)
-LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "top") == "late"
-# VOLUNDR_PDL_EARLY=1: the 3/4-bit tensor-core GEMVs load each set's first block of weight words
-# before they wait (into registers: a few loads per lane, unlike the L2 prefetch of all their
-# weights). Session 6 found ~6.5 us of every GEMV call fixed latency; this hides the first HBM
-# trip of programs made resident while the kernel before drains. Kernel bench (run 14): 3-bit
-# 9-20% faster at the engine's shapes, 4-bit 1-6%; off until measured end to end.
-EARLY_WEIGHTS = os.environ.get("VOLUNDR_PDL_EARLY", "0") == "1"
+# The tensor-core GEMV triggers its successor after its main loop (VOLUNDR_PDL_TRIGGER=top: at
+# its top, as every other kernel does). H200 run 15, end to end: graph 7.09 -> 6.88 ms per
+# token, 135.9 -> 140.2 tok/s, same ids; the GEMVs whose programs are all resident at once
+# (5120-row outputs: 800-880 one-warp programs) gain 2.4-2.9 us each, as their successor's
+# programs no longer sit waiting beside them; the large grids move by +-0.3 us.
+LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "late") != "top"
+# The 4-bit tensor-core GEMVs load each set's first block of weight words before they wait
+# (VOLUNDR_PDL_EARLY=0: after; into registers, a few loads per lane, unlike the L2 prefetch of
+# all their weights), hiding the first HBM trip of programs made resident while the kernel
+# before drains. H200 run 16, with the late trigger: 4-bit GEMVs 0.5-0.7 us faster each, graph
+# 6.68 -> 6.59 ms per token (145.2 -> 147.8 tok/s), same ids. Not at 3 bits: the kernel bench
+# of run 14 had 3-bit gain 9-20%, but in the engine (run 15) 3-bit gate_up lost 4.9 us per call.
+EARLY_WEIGHTS = os.environ.get("VOLUNDR_PDL_EARLY", "1") == "1"
 
 
 @triton.jit

@@ -12,11 +12,12 @@ engine step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mix
 paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles
 (the default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores
 (the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
-batch-1 GEMV (engine.NORM_FOLD), +late = gemv_tc's PDL trigger after its main loop
-(pdl.LATE_TRIGGER), +early = its first weights of each set loaded before the PDL wait
-(pdl.EARLY_WEIGHTS: 3/4-bit GEMVs), +sN = the tensor-core GEMV/GEMM's weights pipelined through
+batch-1 GEMV (engine.NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER
+off; after its main loop is the default since run 15), +noearly = its first weights of each set
+loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; on, 4-bit GEMVs, is the default
+since run 16), +sN = the tensor-core GEMV/GEMM's weights pipelined through
 shared memory in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g.
-mixed:16@8+fold+late+s2.
+mixed:16@8+fold+top+s2.
 PDL itself is per process (VOLUNDR_PDL).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
@@ -389,10 +390,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
         elif sfx == "fold":
             qengine.NORM_FOLD = True
-        elif sfx == "late":
-            pdl.LATE_TRIGGER = True
-        elif sfx == "early":
-            pdl.EARLY_WEIGHTS = True
+        elif sfx in ("late", "top"):
+            pdl.LATE_TRIGGER = sfx == "late"
+        elif sfx in ("early", "noearly"):
+            pdl.EARLY_WEIGHTS = sfx == "early"
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             st = int(sfx[1:])
             qengine.GEMV_TC_CONFIG = {b: {**c, "stages": st}
@@ -400,7 +401,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMM16_TC_CONFIG = {b: {**c, "stages": st}
                                         for b, c in qengine.GEMM16_TC_CONFIG.items()}
         else:
-            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, early, sN)")
+            raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
+                             "early, noearly, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:

@@ -281,6 +281,8 @@ def run_cpu(group: str) -> None:
             check_gemm_tc(9, 64, 256, bits, 128, "cpu", _seed(), reps=2, row_pad=40)
             if bits == 4:
                 check_gemm_tc(5, 64, 256, bits, 64, "cpu", _seed(), reps=2)
+                # 20 splits: the last program sums them in two chunks (sum_splits), one ragged
+                check_gemm_tc(2, 64, 2560, bits, 128, "cpu", _seed(), reps=1, splits=20)
             # engine with VOLUNDR_QUANT_GEMM16=tc: bf16 x at 2 <= M <= 16 takes gemm_tc (at
             # these small shapes only with the size floor lifted; this is a child process)
             engine.TC_MIN_DIM = 0
@@ -322,6 +324,8 @@ def run_cpu(group: str) -> None:
             check_tc_norm(200, 512, bits, 128, "cpu", _seed(), reps=1, splits=2)
             if bits != 3:
                 check_tc(64, 256, bits, 64, "cpu", _seed(), reps=2)
+            if bits == 4:  # 18 splits: summed in two chunks (sum_splits), the second ragged
+                check_tc(64, 9216, bits, 128, "cpu", _seed(), reps=1, splits=18)
             # engine with VOLUNDR_QUANT_GEMV=tc: bf16 x at M = 1 takes gemv_tc (at these small
             # shapes only with the size floor lifted; this is a child process)
             engine.TC_MIN_DIM = 0
@@ -340,6 +344,8 @@ def run_cpu(group: str) -> None:
             check_matmul(1, 64, 256, bits, 128, "cpu", _seed(), bn=64)  # engine-like split
             check_matmul(1, 64, 256, bits, 64, "cpu", _seed(), bn=64, prefetch=False)
             check_grouped(1, 256, 128, bits, 128, "cpu", _seed())  # the engine's GEMV config
+            if bits == 4:  # 20 splits: summed in two chunks (sum_splits), the second ragged
+                check_matmul(1, 64, 2560, bits, 128, "cpu", _seed(), bn=64, splits=20)
         elif group == "batch":
             check_matmul(5, 100, 256, bits, 64, "cpu", _seed(), block_m=16, bn=32, splits=2)
             check_matmul(40, 64, 256, bits, 128, "cpu", _seed(), block_m=16, bn=32, splits=1)

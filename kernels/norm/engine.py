@@ -20,11 +20,13 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps,
                      stride_x, stride_r, stride_y, stride_s,
                      HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pdl.trigger()  # a PDL-launched successor may start
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < n_cols
+    # the norm weight is never written by a kernel: loaded while the kernel before drains
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     pdl.wait()  # PDL: inputs come from the kernel before
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
     rmask = rows < n_rows
-    cmask = cols < n_cols
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
@@ -36,7 +38,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, n_cols, eps,
         tl.store(s_ptr + rows64[:, None] * stride_s + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = xf * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
              mask=mask)
@@ -63,14 +64,14 @@ def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, n_cols, eps,
     """Row r of the gate sits at (r // g_heads) stride_g + (r % g_heads) stride_gh: a [T, H, C]
     gate with any token and head strides (KDA's, a column slice) needs no copy."""
     pdl.trigger()  # a PDL-launched successor may start
+    cols = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)  # (as above)
     pdl.wait()  # PDL: inputs come from the kernel before
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     xf = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
                  other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     # the normalised value is rounded to the activation dtype before the gate, as the reference
     y = (xf * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty).to(tl.float32)
     g_off = (rows // g_heads) * stride_g + (rows % g_heads) * stride_gh

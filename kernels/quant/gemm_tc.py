@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from volundr.kernels.quant.gemv import _workspace, split_k
+from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 from volundr.kernels.quant.gemv_tc import (
     _dequant_ptx,
     _hi,
@@ -244,10 +244,7 @@ def _reduce(y_ptr, ws_ptr, num_splits, u: tl.constexpr, h: tl.constexpr, c4, n, 
             shape_like):
     row = 8 * u + 2 * c4 + h
     mask = nmask & (row < M)
-    tot = tl.zeros_like(shape_like)
-    for k in range(0, num_splits):
-        tot += tl.load(ws_ptr + (k * M + row) * N + n, mask=mask, other=0.0,
-                       cache_modifier=".cg")
+    tot = sum_splits(ws_ptr + row * N + n, M * N, num_splits, mask, shape_like)
     tl.store(y_ptr + row * N + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
 
 

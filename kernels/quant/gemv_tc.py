@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
-from volundr.kernels.quant.gemv import _workspace, split_k
+from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 
 MAGIC = 0x43004300  # bf16x2 (128, 128): a code OR-ed into the mantissa reads 128 + q 2^o
 NEG0 = 0x80008000  # bf16x2 (-0, -0): fma(a, b, -0) = a * b exactly, sign of 0 kept
@@ -515,11 +515,10 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         tl.debug_barrier()  # every thread's partial is written before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
-            tot = tl.zeros([Q, L, 4], dtype=tl.float32)
+            tot = sum_splits(ws_ptr + n3, N, num_splits, ymask, y)
             ss = 0.0
-            for k in range(0, num_splits):
-                tot += tl.load(ws_ptr + k * N + n3, mask=ymask, other=0.0, cache_modifier=".cg")
-                if NORM:
+            if NORM:
+                for k in range(0, num_splits):
                     ss += tl.load(ss_ptr + k * tl.num_programs(0) + pid_n, cache_modifier=".cg")
             if NORM:
                 tot = tot * tl.rsqrt(ss / (num_groups * G) + eps)
@@ -581,9 +580,8 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     more bytes in flight per warp, fewer programs per SM (shared memory). On the H200 (session
     6) 1.5-2.3x slower than stages=1 at every engine shape: kept as an option, not used.
     early: each set's first block of words loaded before the PDL wait (EARLY_W); default
-    pdl.EARLY_WEIGHTS at 3 and 4 bits (H200 kernel bench, run 14, PDL launches: 3-bit 9-20%
-    faster at every engine shape, 4-bit 1-6%; 2-bit spills under its 128 cap and is 1-6%
-    slower, uncapped 1-3% slower)."""
+    pdl.EARLY_WEIGHTS at 4 bits (H200: the kernel bench of run 14 had 3-bit 9-20% faster and
+    4-bit 1-6%, 2-bit 1-6% slower (spills under its cap); in the engine, run 15, 3-bit lost)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -621,7 +619,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
         SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
-        EARLY_W=(pdl.EARLY_WEIGHTS and bits != 2) if early is None else early,
+        EARLY_W=(pdl.EARLY_WEIGHTS and bits == 4) if early is None else early,
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out

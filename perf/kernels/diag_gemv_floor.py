@@ -1,0 +1,206 @@
+"""Where a batch-1 GEMV's fixed ~6.5 us goes (#5): floor kernels on gemv_tc's own grid.
+
+    python3 perf/kernels/diag_gemv_floor.py --out $OUT/gemv_floor.json      (H200: ~1 minute)
+
+For each engine shape (N x K, bits) with the engine's gemv_tc config, one chain of C launches
+per variant, captured in a CUDA graph with PDL launches as in the decode graph (weights
+rotating over > 8x L2, so every call streams from HBM), us per call:
+
+* empty        trigger + wait, nothing else (grid of gemv_tc): the launch / dependency floor
+* empty 1      the same with one program (what a norm kernel's launch costs at least)
+* reduce       no weight loads; split-K partial store + counter + last-program sum, as gemv_tc
+* load         every weight word / scale of the program's sets loaded (128-bit loads, XOR-ed),
+               one partial store per program, no reduction: streaming on this grid
+* load+reduce  both: gemv_tc's memory traffic and synchronisation without its arithmetic
+* gemv_tc      the engine's kernel (and with early weight loads, `early`)
+* empty-nopdl  empty launched without PDL
+
+--sweep: streaming alone (every load of a set in flight at once) over other grids (rows per
+program, warps, programs per SM): which grid can stream these shapes near the copy rate.
+
+Differences between rows attribute the fixed cost: launch, split-K round trips, the streaming
+itself, and the dequantise + mma work. A timing diagnosis, not a test: the floor kernels'
+results are not checked (gemv_tc's is, against the naive reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_quant import STREAM_BYTES, layer_bytes, random_layer, time_graph  # noqa: E402
+
+from volundr.kernels import pdl  # noqa: E402
+from volundr.kernels.quant.engine import GEMV_TC_CONFIG  # noqa: E402
+from volundr.kernels.quant.gemv import _workspace, split_k  # noqa: E402
+from volundr.kernels.quant.gemv_tc import gemv_tc  # noqa: E402
+from volundr.kernels.quant.naive import naive_quant_matmul  # noqa: E402
+
+# (N, K, bits): o_proj, KDA in_proj, gate_up (3- and 2-bit layers), down, as in the engine
+SHAPES = [(5120, 5120, 4), (15680, 5120, 4), (34816, 5120, 3), (34816, 5120, 2),
+          (5120, 17408, 3), (5120, 17408, 2)]
+
+
+@triton.jit
+def _floor_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, cnt_ptr, y_ptr, N, ra, rb, sets_per_split,
+                  n_sets, num_splits, BN: tl.constexpr, LOAD: tl.constexpr,
+                  REDUCE: tl.constexpr, HAS_B: tl.constexpr):
+    """Program (n tile, split) of gemv_tc's grid; ra / rb = rows of qa / qb per set of 4
+    groups (sz: 4 rows per set)."""
+    pdl.trigger()
+    pdl.wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros([BN], dtype=tl.int32)
+    if LOAD:
+        set0 = pid_k * sets_per_split
+        set1 = tl.minimum(set0 + sets_per_split, n_sets)
+        for st in range(set0, set1):
+            for r in range(0, ra, 4):  # 4 rows x BN words per load: 128 bits per lane
+                rows = st * ra + r + tl.arange(0, 4)
+                acc ^= tl.xor_sum(tl.load(qa_ptr + rows[:, None] * N + cols[None, :]), axis=0)
+            if HAS_B:
+                for r in range(0, rb, 4):
+                    rows = st * rb + r + tl.arange(0, 4)
+                    w = tl.load(qb_ptr + rows[:, None] * N + cols[None, :])
+                    acc ^= tl.xor_sum(w, axis=0)
+            rows = st * 4 + tl.arange(0, 4)
+            acc ^= tl.xor_sum(tl.load(sz_ptr + rows[:, None] * N + cols[None, :]), axis=0)
+    part = acc.to(tl.float32)
+    if REDUCE and num_splits > 1:  # gemv_tc's split-K ending
+        tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, part)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            tot = tl.zeros([BN], dtype=tl.float32)
+            for k in range(0, num_splits):
+                tot += tl.load(ws_ptr + k * N + cols, cache_modifier=".cg")
+            tl.store(y_ptr + cols, tot.to(y_ptr.dtype.element_ty))
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    elif LOAD or REDUCE:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, part)
+
+
+
+@triton.jit
+def _stream_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, N, sets_per_split, n_sets,
+                   RA: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr):
+    """--sweep: a program streams its sets with every load of a set issued before any is used
+    (RA / RB rows of qa / qb per set, unrolled): the most bytes in flight registers allow."""
+    pdl.trigger()
+    pdl.wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros([BN], dtype=tl.int32)
+    set0 = pid_k * sets_per_split
+    set1 = tl.minimum(set0 + sets_per_split, n_sets)
+    for st in range(set0, set1):
+        rows = st * RA + tl.arange(0, RA)
+        w = tl.load(qa_ptr + rows[:, None] * N + cols[None, :])
+        if RB > 0:
+            rows = st * RB + tl.arange(0, RB)
+            w2 = tl.load(qb_ptr + rows[:, None] * N + cols[None, :])
+            acc ^= tl.xor_sum(w2, axis=0)
+        rows = st * 4 + tl.arange(0, 4)
+        acc ^= tl.xor_sum(w, axis=0) ^ tl.xor_sum(tl.load(sz_ptr + rows[:, None] * N
+                                                          + cols[None, :]), axis=0)
+    tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, acc.to(tl.float32))
+
+
+# --sweep grids: (BN rows per program, warps per program, programs per SM); the engine's is
+# (64, 1, 24)
+SWEEP = [(64, 1, 24), (64, 1, 8), (64, 1, 48), (64, 2, 12), (128, 2, 12), (256, 4, 6),
+         (256, 4, 3), (128, 4, 6), (512, 8, 2)]
+
+
+def stream_call(layer, n, k, bits, bn, num_warps, waves):
+    qa, qb, sz = layer
+    n_tiles = triton.cdiv(n, bn)
+    n_sets = triton.cdiv(k // 128, 4)
+    sps, ns = split_k(n_tiles, n_sets, qa.device, waves)
+    ws, _ = _workspace(qa.device, n_tiles, ns * n)
+    _stream_kernel[(n_tiles, ns)](qa, qb if qb.numel() else qa, sz, ws, n, sps, n_sets,
+                                  RA=qa.shape[0] // n_sets, RB=qb.shape[0] // n_sets, BN=bn,
+                                  num_warps=num_warps, launch_pdl=pdl.ON.value)
+
+def floor_call(layer, n, k, bits, y, mode: str, grid_one: bool = False, use_pdl: bool = True):
+    cfg = GEMV_TC_CONFIG[bits]
+    qa, qb, sz = layer
+    bn = 32 * cfg["reps"] * cfg["num_warps"]
+    n_tiles = triton.cdiv(n, bn)
+    n_sets = triton.cdiv(k // 128, 4)
+    sps, ns = split_k(n_tiles, n_sets, qa.device, cfg["waves"])
+    ws, cnt = _workspace(qa.device, n_tiles, ns * n)
+    grid = (1, 1) if grid_one else (n_tiles, ns)
+    _floor_kernel[grid](qa, qb if qb.numel() else qa, sz.view(torch.int32), ws, cnt, y, n,
+                        qa.shape[0] // n_sets, max(qb.shape[0] // n_sets, 4), sps, n_sets, ns,
+                        BN=bn, LOAD=mode in ("load", "load+reduce"),
+                        REDUCE=mode in ("reduce", "load+reduce"), HAS_B=bits == 3,
+                        num_warps=cfg["num_warps"], launch_pdl=use_pdl and pdl.ON.value)
+
+
+def run_shape(n: int, k: int, bits: int, sweep: bool) -> list[dict]:
+    """Time every variant at one shape (a function of its own: the closures bind its locals)."""
+    nbytes = layer_bytes(random_layer(n, k, bits))
+    copies = max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
+    layers = [random_layer(n, k, bits, seed=c) for c in range(copies)]
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    cfg = dict(GEMV_TC_CONFIG[bits])
+    err = float("nan")
+
+    def fl(c, mode, **kw):
+        floor_call(layers[c], n, k, bits, y, mode, **kw)
+
+    def st(c, bn, nw, w):
+        stream_call(layers[c], n, k, bits, bn, nw, w)
+
+    def tc(c, early):
+        gemv_tc(x, *layers[c], bits, 128, out=y, early=early, **cfg)
+
+    f = functools.partial
+    if sweep:
+        variants = {f"stream {bn},{nw},{w}": f(st, bn=bn, nw=nw, w=w) for bn, nw, w in SWEEP}
+    else:
+        variants = {"empty": f(fl, mode="empty"), "empty 1": f(fl, mode="empty", grid_one=True),
+                    "empty-nopdl": f(fl, mode="empty", use_pdl=False),
+                    "reduce": f(fl, mode="reduce"), "load": f(fl, mode="load"),
+                    "load+reduce": f(fl, mode="load+reduce"),
+                    "gemv_tc": f(tc, early=False), "gemv_tc early": f(tc, early=True)}
+        ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
+        tc(0, False)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+    rows, line = [], [f"{n}x{k} {bits}b ({nbytes / 1e6:.1f} MB, err {err:.1e})"]
+    for name, fn in variants.items():
+        us = time_graph(fn, copies)
+        rows.append(dict(n=n, k=k, bits=bits, variant=name, us=us, bytes=nbytes,
+                         gbs=nbytes / us / 1e3, rel_err=err, cfg=cfg))
+        line.append(f"{name} {us:.2f} ({nbytes / us / 1e3:.0f} GB/s)")
+    print("\n  ".join(line), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="gemv_floor.json")
+    ap.add_argument("--sweep", action="store_true", help="streaming alone over SWEEP's grids")
+    args = ap.parse_args(argv)
+    rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, args.sweep)]
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
