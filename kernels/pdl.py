@@ -59,7 +59,21 @@ LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "late") != "top"
 # before drains. H200 run 16, with the late trigger: 4-bit GEMVs 0.5-0.7 us faster each, graph
 # 6.68 -> 6.59 ms per token (145.2 -> 147.8 tok/s), same ids. Not at 3 bits: the kernel bench
 # of run 14 had 3-bit gain 9-20%, but in the engine (run 15) 3-bit gate_up lost 4.9 us per call.
-EARLY_WEIGHTS = os.environ.get("VOLUNDR_PDL_EARLY", "1") == "1"
+# VOLUNDR_PDL_EARLY="bits:blocks,..." sets blocks per bit width (e.g. "4:2,3:2"; a set has 4
+# blocks of 4 weight rows at 4 bits, 2 at 2 and 3): more blocks, more loads in flight at once
+# (run 16's streaming sweep: warps with a whole set of loads in flight stream at up to
+# 3.7 TB/s on this grid) for more registers; not measured in the GEMV yet.
+
+
+def parse_early(text: str) -> dict[int, int]:
+    """VOLUNDR_PDL_EARLY -> {bits: blocks}: "0" none, "k" k blocks at 4 bits, "b:k,..." each."""
+    if ":" not in text:
+        return {4: int(text)} if int(text) else {}
+    pairs = (item.split(":") for item in text.replace("/", ",").split(",") if item)
+    return {int(b): int(k) for b, k in pairs if int(k)}
+
+
+EARLY_WEIGHTS = parse_early(os.environ.get("VOLUNDR_PDL_EARLY", "1"))
 
 
 @triton.jit

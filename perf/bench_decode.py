@@ -14,10 +14,11 @@ paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV an
 (the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
 batch-1 GEMV (engine.NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER
 off; after its main loop is the default since run 15), +noearly = its first weights of each set
-loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; on, 4-bit GEMVs, is the default
-since run 16), +sN = the tensor-core GEMV/GEMM's weights pipelined through
-shared memory in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g.
-mixed:16@8+fold+top+s2.
+loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the
+default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
+(VOLUNDR_PDL_EARLY's syntax, "/" for ","), +uncap = no register cap on the GEMV, +sN = the
+tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
+GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2.
 PDL itself is per process (VOLUNDR_PDL).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
@@ -392,8 +393,13 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.NORM_FOLD = True
         elif sfx in ("late", "top"):
             pdl.LATE_TRIGGER = sfx == "late"
-        elif sfx in ("early", "noearly"):
-            pdl.EARLY_WEIGHTS = sfx == "early"
+        elif sfx in ("early", "noearly"):  # 1 block at 3 and 4 bits / none
+            pdl.EARLY_WEIGHTS = {3: 1, 4: 1} if sfx == "early" else {}
+        elif sfx[:1] == "e" and sfx[1:2].isdigit():  # e.g. e4:2/3:2 (VOLUNDR_PDL_EARLY's syntax)
+            pdl.EARLY_WEIGHTS = pdl.parse_early(sfx[1:])
+        elif sfx == "uncap":  # no register cap on the batch-1 GEMV
+            qengine.GEMV_TC_CONFIG = {b: {k: v for k, v in c.items() if k != "maxnreg"}
+                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             st = int(sfx[1:])
             qengine.GEMV_TC_CONFIG = {b: {**c, "stages": st}
@@ -402,7 +408,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                                         for b, c in qengine.GEMM16_TC_CONFIG.items()}
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
-                             "early, noearly, sN)")
+                             "early, noearly, e<bits:blocks/...>, uncap, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:

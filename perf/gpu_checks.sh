@@ -58,7 +58,7 @@ if [ "$PART" != tests ]; then
     timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
       2>&1 | tail -8 >> "$OUT/bench.log"
   fi
-  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+noearly,mixed:16@8+top}
+  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+e4:2,mixed:16@8+e4:2/3:2}
   # shellcheck disable=SC2086
   [ -n "$VARIANTS" ] && timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
     --variants "$VARIANTS" --tokens "${TOKENS:-256}" \

@@ -220,7 +220,7 @@ def test_kernels_compile_for_sm90(pdl):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl[0],
                VOLUNDR_PDL_PREFETCH="1" if "prefetch" in pdl else "0",
                VOLUNDR_PDL_TRIGGER="top" if "top" in pdl else "late",
-               VOLUNDR_PDL_EARLY="1" if "early" in pdl else "0")
+               VOLUNDR_PDL_EARLY="4:2,3:2,2:1" if "early" in pdl else "0")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=900)
@@ -261,3 +261,11 @@ def test_pdl_order_check_catches_a_store_before_the_wait():
     assert pdl_order_errors([("bad", bad)]) == ["bad: a global store or atomic before "
                                                "griddepcontrol.wait"]
     assert pdl_order_errors([("none", "st.global")]) == ["none: no trigger or no wait"]
+
+
+def test_early_weights_setting_parses():
+    """VOLUNDR_PDL_EARLY: blocks of weights each GEMV bit width loads before the PDL wait."""
+    from volundr.kernels.pdl import parse_early
+
+    assert parse_early("0") == {} and parse_early("1") == {4: 1} and parse_early("3") == {4: 3}
+    assert parse_early("4:2,3:2") == {4: 2, 3: 2} == parse_early("4:2/3:2/2:0")

@@ -312,6 +312,9 @@ def run_cpu(group: str) -> None:
             check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=True)
             if bits != 3:
                 check_tc(64, 512, bits, 64, "cpu", _seed(), reps=1, splits=1, early=True)
+            # the first 2 blocks, and all (4 at 4 bits; more than a set has: all 2 at 2/3 bits)
+            check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=2)
+            check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=4)
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
                      reps=1, splits=1)
             # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
@@ -829,18 +832,21 @@ def test_cuda_gemv_tc_pipelined_sets(bits):
 @gpu
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_cuda_gemv_tc_early_weights(bits):
-    """gemv_tc with each set's first block of weight words loaded before the PDL wait: == naive
-    at Volundr-32B shapes, one set per program and several, and in a replayed CUDA graph of
-    PDL launches (the engine's setting)."""
+    """gemv_tc with each set's first 1, 2 or all blocks of weight words loaded before the PDL
+    wait: == naive at Volundr-32B shapes, one set per program and several, capped at 128
+    registers (spills at 4 blocks) and not, and in a replayed CUDA graph of PDL launches (the
+    engine's setting)."""
     for n, k in ((17408, 5120), (5120, 17408), (15680, 5120)):
         for splits in (None, 2):
-            check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, splits=splits,
-                     early=True)
+            for early, cap in ((True, {}), (2, {"maxnreg": 128}), (4, {})):
+                check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, splits=splits,
+                         early=early, **cap)
     from functools import partial
 
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
-    check_graph_replay(partial(gemv_tc, early=True), 1, bits)
+    for early in (True, 4):
+        check_graph_replay(partial(gemv_tc, early=early), 1, bits)
 
 
 @gpu

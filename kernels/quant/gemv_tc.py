@@ -379,7 +379,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
                    NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                   EARLY_W: tl.constexpr = False):
+                   EARLY_W: tl.constexpr = 0):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -387,9 +387,10 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     v w / rms(v) and 1 / rms(v) is one scalar, so the matmul runs on v w (staged in the scratch
     xs) and y is scaled at the end by the sum of squares of all K (split-K: a partial per split,
     in ss_ptr).
-    EARLY_W (PDL): each set's first block of weight words is loaded before `griddepcontrol.wait`
-    (weights are never written by an earlier kernel), so a program made resident while the
-    kernel before drains has its first HBM trip under way; later sets wait again (a no-op)."""
+    EARLY_W = e > 0 (PDL): each set's first e blocks of weight words (of NBLK) are loaded at the
+    top of the set, before `griddepcontrol.wait` (weights are never written by an earlier
+    kernel), so a program made resident while the kernel before drains has its first HBM trip
+    under way, and e blocks of loads are in flight at once; later sets wait again (a no-op)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -408,7 +409,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         _prefetch_rows(sz_ptr, set0 * 4, set1 * 4, pid_n * BN, N, PF_ASM)
     # not with NORM (its prologue reads x before the loop) nor STAGES > 1 (the pipeliner hoists
     # the first set's loads, x's too, above the loop and so above its wait)
-    EARLY: tl.constexpr = EARLY_W and not NORM and STAGES == 1
+    PRE: tl.constexpr = (EARLY_W if EARLY_W < NBLK else NBLK) if not NORM and STAGES == 1 else 0
+    EARLY: tl.constexpr = PRE > 0
     if not EARLY:
         pdl.wait()  # x and the split-K workspace come from earlier kernels
     c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)
@@ -441,15 +443,15 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         xsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         xo = grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
+        pre = ()
+        if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
+            for r in tl.static_range(PRE * 4):
+                pre = pre + (_ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN),)
+                if BITS == 3:
+                    pre = pre + (_ld(qb_ptr + (grp * (WA // 2) + r % (WA // 2)) * N + n, wmask,
+                                     not EVEN),)
+            pdl.wait()
         for blk in tl.static_range(NBLK):
-            early = ()
-            if EARLY and blk == 0:  # the block's words before the wait (see the docstring)
-                for s in tl.static_range(4):
-                    early = early + (_ld(qa_ptr + (grp * WA + s) * N + n, wmask, not EVEN),)
-                    if BITS == 3:
-                        early = early + (_ld(qb_ptr + (grp * (WA // 2) + s % (WA // 2)) * N + n,
-                                             wmask, not EVEN),)
-                pdl.wait()
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
@@ -468,11 +470,11 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             # would turn into a tensor)
             for s in tl.static_range(4):
                 r = blk * 4 + s
-                if EARLY and blk == 0:
+                if blk < PRE:  # (indices spelt out: r is a tensor in this runtime loop)
                     if BITS == 3:
-                        words = (early[2 * s], early[2 * s + 1])
+                        words = (pre[2 * (blk * 4 + s)], pre[2 * (blk * 4 + s) + 1])
                     else:
-                        words = (early[s],)
+                        words = (pre[blk * 4 + s],)
                 else:
                     w0 = _ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN)
                     if BITS == 3:
@@ -564,7 +566,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
             norm: tuple | None = None, stages: int = 1,
-            early: bool | None = None) -> torch.Tensor:
+            early: bool | int | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -579,9 +581,10 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     through shared memory by cp.async, `stages` sets in flight, no registers held for them):
     more bytes in flight per warp, fewer programs per SM (shared memory). On the H200 (session
     6) 1.5-2.3x slower than stages=1 at every engine shape: kept as an option, not used.
-    early: each set's first block of words loaded before the PDL wait (EARLY_W); default
-    pdl.EARLY_WEIGHTS at 4 bits (H200: the kernel bench of run 14 had 3-bit 9-20% faster and
-    4-bit 1-6%, 2-bit 1-6% slower (spills under its cap); in the engine, run 15, 3-bit lost)."""
+    early: each set's first `early` blocks of words (True: 1; at most WA / 4) loaded before the
+    PDL wait (EARLY_W); default pdl.EARLY_WEIGHTS[bits]: 1 at 4 bits, none at 2 and 3 (H200: the
+    kernel bench of run 14 had 1 block 3-bit 9-20% faster and 4-bit 1-6%, 2-bit 1-6% slower
+    (spills under its cap); in the engine, run 15, 3-bit lost, 4-bit won)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -619,7 +622,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
         SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
-        EARLY_W=(pdl.EARLY_WEIGHTS and bits == 4) if early is None else early,
+        EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out

@@ -211,14 +211,20 @@ def plot(data: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# --m1-compare: the engine's FMA config per bit width vs tensor-core configs: the engine's
-# (reps 2 = 64 rows per 1-warp program, waves 24 = one set of 4 groups per program at K = 5120,
-# 128 registers at 2/4 bits), the same with each set's first block of weights loaded before the
-# PDL wait (early; the kernels of the timed graph launch with PDL), and early without the cap.
-# (Session 6 measured stages 2 at 1.5-2.3x slower and waves 16-48 the same: not swept again.)
-TC_CFGS = [dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
-           dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=True),
-           dict(reps=2, num_warps=1, waves=24.0, early=True)]
+# --m1-compare: the engine's FMA config per bit width vs tensor-core configs: the engine's grid
+# (reps 2 = 64 rows per 1-warp program, waves 24 = one set of 4 groups per program at K = 5120)
+# capped at 128 registers, with 0, 1 and 2 blocks of each set's weights loaded before the PDL
+# wait (`early`; the kernels of the timed graph launch with PDL; the engine: 1 at 4 bits, 0 at
+# 2 and 3, where 3 bits runs uncapped), then uncapped with 2 and 4 blocks. 2 blocks: 16 of a
+# 4-bit set's 32 loads in flight before the first mma, a whole 2/3-bit set (188 registers at
+# 3 bits); 4: a whole 4-bit set (214 registers). Run 16's streaming sweep had its best grids
+# hold a whole set in flight. (Session 6 measured stages 2 at 1.5-2.3x slower and waves 16-48
+# the same: not swept again.)
+TC_CFGS = [dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=0),
+           dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=1),
+           dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=2),
+           dict(reps=2, num_warps=1, waves=24.0, early=2),
+           dict(reps=2, num_warps=1, waves=24.0, early=4)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
 # the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up
 M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
@@ -227,8 +233,8 @@ M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
 def parse_cfgs(text: str) -> list[dict]:
     """"reps,warps,waves[,maxnreg[,stages[,early]]];..." -> [dict(reps=, num_warps=, waves=,
     ...)] (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages =
-    its software-pipelined set loop, weights through shared memory; early = 1: the first block
-    of weights of each set loaded before the PDL wait)."""
+    its software-pipelined set loop, weights through shared memory; early = k: the first k
+    blocks of weights of each set loaded before the PDL wait)."""
     out = []
     for part in filter(None, text.split(";")):
         f = part.split(",")
@@ -238,7 +244,7 @@ def parse_cfgs(text: str) -> list[dict]:
         if len(f) > 4 and f[4]:
             cfg["stages"] = int(f[4])
         if len(f) > 5:
-            cfg["early"] = f[5] == "1"
+            cfg["early"] = int(f[5])
         out.append(cfg)
     return out
 
