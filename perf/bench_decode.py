@@ -16,7 +16,9 @@ batch-1 GEMV (engine.NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LA
 off; after its main loop is the default since run 15), +noearly = its first weights of each set
 loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the
 default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
-(VOLUNDR_PDL_EARLY's syntax, "/" for ","), +uncap = no register cap on the GEMV, +sN = the
+(VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows per
+program; waves scaled to keep its splits; after it +wN sets waves N), +xset = each set of the
+GEMV also loads the next set's early blocks, +uncap = no register cap on the GEMV, +sN = the
 tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
 GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2.
 PDL itself is per process (VOLUNDR_PDL).
@@ -397,6 +399,16 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             pdl.EARLY_WEIGHTS = {3: 1, 4: 1} if sfx == "early" else {}
         elif sfx[:1] == "e" and sfx[1:2].isdigit():  # e.g. e4:2/3:2 (VOLUNDR_PDL_EARLY's syntax)
             pdl.EARLY_WEIGHTS = pdl.parse_early(sfx[1:])
+        elif sfx[:1] == "r" and sfx[1:].isdigit():  # GEMV rows per warp / 32, same splits
+            reps = int(sfx[1:])
+            qengine.GEMV_TC_CONFIG = {b: {**c, "reps": reps, "waves": c["waves"] * c["reps"] / reps}
+                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
+        elif sfx[:1] == "w" and sfx[1:].isdigit():  # the batch-1 GEMV at waves N
+            qengine.GEMV_TC_CONFIG = {b: {**c, "waves": float(sfx[1:])}
+                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
+        elif sfx == "xset":  # + the next set's early blocks loaded before each set's work
+            qengine.GEMV_TC_CONFIG = {b: {**c, "xset": True}
+                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
         elif sfx == "uncap":  # no register cap on the batch-1 GEMV
             qengine.GEMV_TC_CONFIG = {b: {k: v for k, v in c.items() if k != "maxnreg"}
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
@@ -408,7 +420,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                                         for b, c in qengine.GEMM16_TC_CONFIG.items()}
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
-                             "early, noearly, e<bits:blocks/...>, uncap, sN)")
+                             "early, noearly, e<bits:blocks/...>, rN, wN, xset, uncap, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:

@@ -45,7 +45,7 @@ fi
 if [ "$PART" != tests ]; then
   COMPARE=${COMPARE-gemv,gemm16,kda}
   if [[ ",$COMPARE," == *,gemv,* ]]; then  # batch 1: FMA path vs tensor cores
-    timeout "${GEMV_TIMEOUT:-100}" python3 perf/kernels/bench_quant.py --m1-compare \
+    timeout "${GEMV_TIMEOUT:-240}" python3 perf/kernels/bench_quant.py --m1-compare \
       --tc-configs "${TC_CONFIGS:-}" --out "$OUT/gemv_compare.json" 2>&1 | tail -22 \
       >> "$OUT/bench.log"
   fi
@@ -58,7 +58,7 @@ if [ "$PART" != tests ]; then
     timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
       2>&1 | tail -8 >> "$OUT/bench.log"
   fi
-  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+e4:2,mixed:16@8+e4:2/3:2}
+  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+e4:2,mixed:16@8+r1+e4:4/3:2/2:2}
   # shellcheck disable=SC2086
   [ -n "$VARIANTS" ] && timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
     --variants "$VARIANTS" --tokens "${TOKENS:-256}" \

@@ -315,6 +315,11 @@ def run_cpu(group: str) -> None:
             # the first 2 blocks, and all (4 at 4 bits; more than a set has: all 2 at 2/3 bits)
             check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=2)
             check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=4)
+            # and the next set's blocks loaded before this set's work (xset): 3 sets per
+            # program; a ragged N and last set; 2 splits of 2 sets
+            check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=1, xset=True)
+            check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=2, xset=True)
+            check_tc(96, 2048, bits, 128, "cpu", _seed(), reps=1, splits=2, early=4, xset=True)
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
                      reps=1, splits=1)
             # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
@@ -833,20 +838,24 @@ def test_cuda_gemv_tc_pipelined_sets(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_cuda_gemv_tc_early_weights(bits):
     """gemv_tc with each set's first 1, 2 or all blocks of weight words loaded before the PDL
-    wait: == naive at Volundr-32B shapes, one set per program and several, capped at 128
-    registers (spills at 4 blocks) and not, and in a replayed CUDA graph of PDL launches (the
-    engine's setting)."""
+    wait (and with the next set's loaded before this set's work, xset, at 3 sets per program):
+    == naive at Volundr-32B shapes, one set per program and several, capped at 128 registers
+    (spills at 4 blocks) and not, and in a replayed CUDA graph of PDL launches (the engine's
+    setting)."""
     for n, k in ((17408, 5120), (5120, 17408), (15680, 5120)):
         for splits in (None, 2):
-            for early, cap in ((True, {}), (2, {"maxnreg": 128}), (4, {})):
-                check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, splits=splits,
-                         early=early, **cap)
+            for early, kw in ((True, {}), (2, {"maxnreg": 128}), (4, {}),
+                              (4, {"maxnreg": 128, "reps": 1}),
+                              (1, {"maxnreg": 128, "waves": 8.0, "xset": True}),
+                              (2, {"waves": 8.0, "xset": True})):
+                check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, splits=splits,
+                         early=early, **{"reps": 2, **kw})
     from functools import partial
 
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
-    for early in (True, 4):
-        check_graph_replay(partial(gemv_tc, early=early), 1, bits)
+    for kw in (dict(early=True), dict(early=4), dict(early=1, xset=True, splits=2)):
+        check_graph_replay(partial(gemv_tc, **kw), 1, bits)
 
 
 @gpu

@@ -365,6 +365,20 @@ def _xsum_a(j4, XS: tl.constexpr, ASM_KEEP: tl.constexpr, Q: tl.constexpr):
     return ka
 
 
+@triton.jit
+def _pre_words(qa_ptr, qb_ptr, grp, n, N, mask, MASKED: tl.constexpr, BITS: tl.constexpr,
+               WA: tl.constexpr, PRE: tl.constexpr):
+    """The words of a set's first PRE blocks (rows 0 .. 4 PRE - 1 of each lane's group), in
+    step order; 3-bit: each A word followed by its B word."""
+    pre = ()
+    for r in tl.static_range(PRE * 4):
+        pre = pre + (_ld(qa_ptr + (grp * WA + r) * N + n, mask, MASKED),)
+        if BITS == 3:
+            pre = pre + (_ld(qb_ptr + (grp * (WA // 2) + r % (WA // 2)) * N + n, mask,
+                             MASKED),)
+    return pre
+
+
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
 def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -379,7 +393,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
                    NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                   EARLY_W: tl.constexpr = 0):
+                   EARLY_W: tl.constexpr = 0, XSET: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -390,7 +404,10 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     EARLY_W = e > 0 (PDL): each set's first e blocks of weight words (of NBLK) are loaded at the
     top of the set, before `griddepcontrol.wait` (weights are never written by an earlier
     kernel), so a program made resident while the kernel before drains has its first HBM trip
-    under way, and e blocks of loads are in flight at once; later sets wait again (a no-op)."""
+    under way, and e blocks of loads are in flight at once; later sets wait again (a no-op).
+    XSET (with EARLY_W): the next set's first e blocks are loaded before this set's work (a
+    register double buffer across the sets of a program: its loads overlap this set's
+    dequantise + mma, which otherwise all come after a program's last load lands)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -426,6 +443,12 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                             pid_n == 0, G)
         tl.debug_barrier()  # the whole program's x' is in xs before any lane reads it
         x_ptr = xs_ptr
+    XPF: tl.constexpr = XSET and EARLY
+    nxt = ()
+    if XPF:  # the first set's blocks before the wait; each set then loads the next one's
+        nxt = _pre_words(qa_ptr, qb_ptr, set0 * 4 + c4, n, N,
+                         nmask & (set0 * 4 + c4 < num_groups), True, BITS, WA, PRE)
+        pdl.wait()
     for st in tl.range(set0, set1, num_stages=STAGES):
         grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
         if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
@@ -443,14 +466,16 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         xsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         xo = grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
-        pre = ()
-        if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
-            for r in tl.static_range(PRE * 4):
-                pre = pre + (_ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN),)
-                if BITS == 3:
-                    pre = pre + (_ld(qb_ptr + (grp * (WA // 2) + r % (WA // 2)) * N + n, wmask,
-                                     not EVEN),)
-            pdl.wait()
+        if XPF:
+            pre = nxt
+            nmask1 = nmask & (st + 1 < set1)
+            nxt = _pre_words(qa_ptr, qb_ptr, grp + 4, n, N, nmask1 & (grp + 4 < num_groups),
+                             True, BITS, WA, PRE)
+        else:
+            pre = ()
+            if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
+                pre = _pre_words(qa_ptr, qb_ptr, grp, n, N, wmask, not EVEN, BITS, WA, PRE)
+                pdl.wait()
         for blk in tl.static_range(NBLK):
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
@@ -566,7 +591,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
             norm: tuple | None = None, stages: int = 1,
-            early: bool | int | None = None) -> torch.Tensor:
+            early: bool | int | None = None, xset: bool = False) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -584,7 +609,8 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     early: each set's first `early` blocks of words (True: 1; at most WA / 4) loaded before the
     PDL wait (EARLY_W); default pdl.EARLY_WEIGHTS[bits]: 1 at 4 bits, none at 2 and 3 (H200: the
     kernel bench of run 14 had 1 block 3-bit 9-20% faster and 4-bit 1-6%, 2-bit 1-6% slower
-    (spills under its cap); in the engine, run 15, 3-bit lost, 4-bit won)."""
+    (spills under its cap); in the engine, run 15, 3-bit lost, 4-bit won). xset (with early):
+    each set also loads the next set's first `early` blocks before its own work (XSET)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -622,7 +648,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
         SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
-        EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
+        EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early), XSET=xset,
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out

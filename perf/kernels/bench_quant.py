@@ -211,30 +211,37 @@ def plot(data: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# --m1-compare: the engine's FMA config per bit width vs tensor-core configs: the engine's grid
+# --m1-compare: the engine's FMA config per bit width vs tensor-core configs on the engine's grid
 # (reps 2 = 64 rows per 1-warp program, waves 24 = one set of 4 groups per program at K = 5120)
-# capped at 128 registers, with 0, 1 and 2 blocks of each set's weights loaded before the PDL
-# wait (`early`; the kernels of the timed graph launch with PDL; the engine: 1 at 4 bits, 0 at
-# 2 and 3, where 3 bits runs uncapped), then uncapped with 2 and 4 blocks. 2 blocks: 16 of a
-# 4-bit set's 32 loads in flight before the first mma, a whole 2/3-bit set (188 registers at
-# 3 bits); 4: a whole 4-bit set (214 registers). Run 16's streaming sweep had its best grids
-# hold a whole set in flight. (Session 6 measured stages 2 at 1.5-2.3x slower and waves 16-48
-# the same: not swept again.)
+# with 0, 1 and 2 blocks of each set's weights loaded before the PDL wait (`early`; the timed
+# graph launches with PDL; the engine: 1 at 4 bits capped at 128 registers, 0 at 2 bits capped
+# and at 3 bits uncapped), then a whole set in flight: 4 blocks uncapped (4-bit: 214
+# registers; 2/3 bits have 2 blocks a set), reps 1 (32-row programs hold a whole set in 128
+# registers, no spills at 2/4 bits); then 3 sets per program (waves 8; 16 at reps 1) with the
+# next set's first blocks loaded before each set's work (xset: the loads of one set overlap
+# the arithmetic of the one before; 4-bit reps 2 early 1: 168 registers uncapped, reps 1
+# early 2: 128, no spills). Run 16's streaming sweep had its best grids hold a whole set in
+# flight. (Session 6 measured stages 2 at 1.5-2.3x slower, waves 16-48 the same, and reps 1 up
+# to 1.6x slower without early loads.)
 TC_CFGS = [dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=0),
+           dict(reps=2, num_warps=1, waves=24.0, early=0),
            dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=1),
            dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=2),
-           dict(reps=2, num_warps=1, waves=24.0, early=2),
-           dict(reps=2, num_warps=1, waves=24.0, early=4)]
+           dict(reps=2, num_warps=1, waves=24.0, early=4),
+           dict(reps=1, num_warps=1, waves=48.0, maxnreg=128, early=4),
+           dict(reps=2, num_warps=1, waves=8.0, early=1, xset=True),
+           dict(reps=1, num_warps=1, waves=16.0, maxnreg=128, early=2, xset=True)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
 # the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up
 M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
 
 
 def parse_cfgs(text: str) -> list[dict]:
-    """"reps,warps,waves[,maxnreg[,stages[,early]]];..." -> [dict(reps=, num_warps=, waves=,
+    """"reps,warps,waves[,maxnreg[,stages[,early[,xset]]]];..." -> [dict(reps=, num_warps=,
     ...)] (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages =
     its software-pipelined set loop, weights through shared memory; early = k: the first k
-    blocks of weights of each set loaded before the PDL wait)."""
+    blocks of weights of each set loaded before the PDL wait; xset = 1: and the next set's
+    before each set's work)."""
     out = []
     for part in filter(None, text.split(";")):
         f = part.split(",")
@@ -245,6 +252,8 @@ def parse_cfgs(text: str) -> list[dict]:
             cfg["stages"] = int(f[4])
         if len(f) > 5:
             cfg["early"] = int(f[5])
+        if len(f) > 6:
+            cfg["xset"] = f[6] == "1"
         out.append(cfg)
     return out
 
