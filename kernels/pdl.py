@@ -66,7 +66,10 @@ LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "late") != "top"
 
 
 def parse_early(text: str) -> dict[int, int]:
-    """VOLUNDR_PDL_EARLY -> {bits: blocks}: "0" none, "k" k blocks at 4 bits, "b:k,..." each."""
+    """VOLUNDR_PDL_EARLY -> {bits: blocks}: "0" or "" none, "k" k blocks at 4 bits, "b:k,..."
+    each ("/" also separates)."""
+    if not text.strip():
+        return {}
     if ":" not in text:
         return {4: int(text)} if int(text) else {}
     pairs = (item.split(":") for item in text.replace("/", ",").split(",") if item)

@@ -270,5 +270,6 @@ def test_early_weights_setting_parses():
     """VOLUNDR_PDL_EARLY: blocks of weights each GEMV bit width loads before the PDL wait."""
     from volundr.kernels.pdl import parse_early
 
-    assert parse_early("0") == {} and parse_early("1") == {4: 1} and parse_early("3") == {4: 3}
+    assert parse_early("0") == {} == parse_early("") and parse_early("1") == {4: 1}
+    assert parse_early("3") == {4: 3}
     assert parse_early("4:2,3:2") == {4: 2, 3: 2} == parse_early("4:2/3:2/2:0")

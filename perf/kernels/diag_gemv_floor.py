@@ -41,7 +41,7 @@ from bench_quant import STREAM_BYTES, layer_bytes, random_layer, time_graph  # n
 
 from volundr.kernels import pdl  # noqa: E402
 from volundr.kernels.quant.engine import GEMV_TC_CONFIG  # noqa: E402
-from volundr.kernels.quant.gemv import _workspace, split_k  # noqa: E402
+from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits  # noqa: E402
 from volundr.kernels.quant.gemv_tc import gemv_tc  # noqa: E402
 from volundr.kernels.quant.naive import naive_quant_matmul  # noqa: E402
 
@@ -81,15 +81,12 @@ def _floor_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, cnt_ptr, y_ptr, N, ra, rb, set
         tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, part)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if done == num_splits - 1:
-            tot = tl.zeros([BN], dtype=tl.float32)
-            for k in range(0, num_splits):
-                tot += tl.load(ws_ptr + k * N + cols, cache_modifier=".cg")
+        if done == num_splits - 1:  # (run 15 measured the loop before sum_splits)
+            tot = sum_splits(ws_ptr + cols, N, num_splits, cols >= 0, part)
             tl.store(y_ptr + cols, tot.to(y_ptr.dtype.element_ty))
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
     elif LOAD or REDUCE:
         tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, part)
-
 
 
 @triton.jit
