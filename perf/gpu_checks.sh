@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in two device calls (one call may run at most 600 s):
+# Every GPU check of the project (one device call may run at most 600 s; session 7's timings):
 #   device run, carry [".gpu", ".whl"]:
-#     PART=tests bash perf/gpu_checks.sh   # every CUDA test, KDA against fla last (~6 min)
-#     PART=bench bash perf/gpu_checks.sh   # kernel comparisons + end-to-end decode (~6 min)
+#     PART=tests bash perf/gpu_checks.sh   # every CUDA test, KDA against fla last: ~9 min, so
+#                                          # two calls with TESTS split (runs 16-18)
+#     PART=bench COMPARE=gemv bash perf/gpu_checks.sh   # GEMV configs (~4 min) + end-to-end
+#                                          # decode, 3 variants (~3.5 min); gemm16, kda apart
 # env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
 #      BENCH_TIMEOUT; TC_CONFIGS / TC16_CONFIGS ("reps,warps,waves;...": the tensor-core configs
