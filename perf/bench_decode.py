@@ -373,6 +373,11 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
 
+def _with(cfgs: dict, **kw) -> dict:
+    """A {bits: kernel kwargs} table with kw set at every bit width."""
+    return {b: {**c, **kw} for b, c in cfgs.items()}
+
+
 def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> list[dict]:
     """One variant (see the module doc): build, optional profiles, then decode rates."""
     import volundr.kernels.quant.engine as qengine
@@ -404,20 +409,15 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMV_TC_CONFIG = {b: {**c, "reps": reps, "waves": c["waves"] * c["reps"] / reps}
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
         elif sfx[:1] == "w" and sfx[1:].isdigit():  # the batch-1 GEMV at waves N
-            qengine.GEMV_TC_CONFIG = {b: {**c, "waves": float(sfx[1:])}
-                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
+            qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, waves=float(sfx[1:]))
         elif sfx == "xset":  # + the next set's early blocks loaded before each set's work
-            qengine.GEMV_TC_CONFIG = {b: {**c, "xset": True}
-                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
+            qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, xset=True)
         elif sfx == "uncap":  # no register cap on the batch-1 GEMV
             qengine.GEMV_TC_CONFIG = {b: {k: v for k, v in c.items() if k != "maxnreg"}
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
         elif sfx[:1] == "s" and sfx[1:].isdigit():
-            st = int(sfx[1:])
-            qengine.GEMV_TC_CONFIG = {b: {**c, "stages": st}
-                                      for b, c in qengine.GEMV_TC_CONFIG.items()}
-            qengine.GEMM16_TC_CONFIG = {b: {**c, "stages": st}
-                                        for b, c in qengine.GEMM16_TC_CONFIG.items()}
+            qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, stages=int(sfx[1:]))
+            qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "early, noearly, e<bits:blocks/...>, rN, wN, xset, uncap, sN)")

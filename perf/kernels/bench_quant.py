@@ -438,7 +438,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     ap.add_argument("--tc-configs", default="",
                     help='--m1/--m16-compare: tensor-core configs "reps,warps,waves'
-                         '[,maxnreg[,stages[,early]]];..." instead of the built-in list')
+                         '[,maxnreg[,stages[,early[,xset]]]];..." instead of the built-in list')
     args = ap.parse_args(argv)
     if args.m1_compare or args.m16_compare:
         if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
