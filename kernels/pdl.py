@@ -60,9 +60,9 @@ LATE_TRIGGER = os.environ.get("VOLUNDR_PDL_TRIGGER", "late") != "top"
 # 6.68 -> 6.59 ms per token (145.2 -> 147.8 tok/s), same ids. Not at 3 bits: the kernel bench
 # of run 14 had 3-bit gain 9-20%, but in the engine (run 15) 3-bit gate_up lost 4.9 us per call.
 # VOLUNDR_PDL_EARLY="bits:blocks,..." sets blocks per bit width (e.g. "4:2,3:2"; a set has 4
-# blocks of 4 weight rows at 4 bits, 2 at 2 and 3): more blocks, more loads in flight at once
-# (run 16's streaming sweep: warps with a whole set of loads in flight stream at up to
-# 3.7 TB/s on this grid) for more registers; not measured in the GEMV yet.
+# blocks of 4 weight rows at 4 bits, 2 at 2 and 3): more loads in flight at once for more
+# registers. H200 run 19: 2 or 4 blocks slower than 1 at every engine shape (kernel bench),
+# 2 at 4 bits +0.10 ms of graph time per token.
 
 
 def parse_early(text: str) -> dict[int, int]:

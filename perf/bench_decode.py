@@ -7,19 +7,20 @@ alone), so that ms_per_step - graph_ms is the host's share; and a kernel-time br
 eager decode step (torch.profiler) when --profile-dir is given.
 
 Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
-cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per
-engine step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul
-paths (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles
-(the default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores
-(the default now, also without a suffix); +fold = the residual add + RMSNorm folded into the
-batch-1 GEMV (engine.NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER
-off; after its main loop is the default since run 15), +noearly = its first weights of each set
-loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the
-default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
+cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per engine
+step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul paths
+(volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles (the
+default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores (the
+default now, also without a suffix); +fold = the residual add + RMSNorm folded into the batch-1
+GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its o_proj GEMV
+or not (engine.GATED_NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off;
+after its main loop is the default since run 15), +noearly = its first weights of each set
+loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the default
+since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
 (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows per
-program; waves scaled to keep its splits; after it +wN sets waves N), +xset = each set of the
-GEMV also loads the next set's early blocks, +uncap = no register cap on the GEMV, +sN = the
-tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
+program; waves scaled to keep its splits; after it +wN sets waves N), +uncap = no register cap
+on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM), +sN
+= the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
 GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2.
 PDL itself is per process (VOLUNDR_PDL).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
@@ -392,12 +393,15 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         torch.cuda.reset_peak_memory_stats()
     paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
-                pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG)
+                pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
+                qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
-        elif sfx == "fold":
-            qengine.NORM_FOLD = True
+        elif sfx in ("fold", "nofold"):
+            qengine.NORM_FOLD = sfx == "fold"
+        elif sfx in ("gfold", "nogfold"):  # KDA's gated norm in o_proj's GEMV / not
+            qengine.GATED_NORM_FOLD = sfx == "gfold"
         elif sfx in ("late", "top"):
             pdl.LATE_TRIGGER = sfx == "late"
         elif sfx in ("early", "noearly"):  # 1 block at 3 and 4 bits / none
@@ -410,8 +414,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
         elif sfx[:1] == "w" and sfx[1:].isdigit():  # the batch-1 GEMV at waves N
             qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, waves=float(sfx[1:]))
-        elif sfx == "xset":  # + the next set's early blocks loaded before each set's work
-            qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, xset=True)
+        elif sfx[:5] == "tcmin" and sfx[5:].isdigit():  # smaller linears on the tc paths
+            qengine.TC_MIN_DIM = int(sfx[5:])
         elif sfx == "uncap":  # no register cap on the batch-1 GEMV
             qengine.GEMV_TC_CONFIG = {b: {k: v for k, v in c.items() if k != "maxnreg"}
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
@@ -420,12 +424,14 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
-                             "early, noearly, e<bits:blocks/...>, rN, wN, xset, uncap, sN)")
+                             "gfold, nogfold, early, noearly, e<bits:blocks/...>, rN, wN, uncap, "
+                             "tcminN, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
-         pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG) = defaults
+         pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
+         qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:

@@ -3,8 +3,9 @@
 #   device run, carry [".gpu", ".whl"]:
 #     PART=tests bash perf/gpu_checks.sh   # every CUDA test, KDA against fla last: ~9 min, so
 #                                          # two calls with TESTS split (runs 16-18)
-#     PART=bench COMPARE=gemv bash perf/gpu_checks.sh   # GEMV configs (~4 min) + end-to-end
-#                                          # decode, 3 variants (~3.5 min); gemm16, kda apart
+#     PART=bench COMPARE=gemv bash perf/gpu_checks.sh   # GEMV configs (~1.5 min) + end-to-end
+#                                          # decode, 2 variants (~2.5 min; ~1.2 min each after
+#                                          # the first, session 8); gemm16, kda apart
 # env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
 #      BENCH_TIMEOUT; TC_CONFIGS / TC16_CONFIGS ("reps,warps,waves;...": the tensor-core configs
@@ -60,7 +61,7 @@ if [ "$PART" != tests ]; then
     timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
       2>&1 | tail -8 >> "$OUT/bench.log"
   fi
-  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+e4:2,mixed:16@8+r1+e4:4/3:2/2:2}
+  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+gfold}
   # shellcheck disable=SC2086
   [ -n "$VARIANTS" ] && timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
     --variants "$VARIANTS" --tokens "${TOKENS:-256}" \

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-MIXED = "mixed@2+fold+late+early+e4:2/3:2+r1+w8+xset+uncap+s2"  # the kernels' switches as suffixes
+# the kernels' switches as suffixes
+MIXED = "mixed@2+fold+gfold+late+early+e4:2/3:2+r1+w8+uncap+tcmin2048+s2"
 
 
 def test_bench_decode_runs_on_the_tiny_preset(tmp_path):

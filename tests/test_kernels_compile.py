@@ -198,9 +198,13 @@ def compile_all() -> list[str]:
                               splits=1, stages=2)
         quant.gemm_tc.gemm_tc(torch.randn(16, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
                               splits=1, stages=2)
-        # whole sets of weights before the PDL wait, and the next set's before each set's work
+        # whole sets of weights before the PDL wait
         quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
-                              splits=1, early=4, xset=True)
+                              splits=1, early=4)
+        # KDA's gated output norm in the x loads (its gate and x come from earlier kernels)
+        gate = torch.randn(1, 1024, dtype=bf)
+        quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
+                              gnorm=(gate, torch.ones(128, dtype=bf), 1e-6))
         # a ragged N (not a multiple of the tile, nor of 16), 1 and 2 batch tiles; G = 64
         for g in (128, 64) if bits == 4 else (128,):
             ragged = layer(200, bits, g)

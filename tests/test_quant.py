@@ -180,6 +180,57 @@ def check_tc_norm(n, k, bits, g, device, seed, tol=None, via_engine=False, **kw)
     assert err < tol, (n, k, bits, g, kw, err)
 
 
+def check_tc_gnorm(n, k, bits, g, device, seed, tol=None, via_engine=False, **kw) -> None:
+    """gemv_tc with KDA's gated output norm folded in (gnorm=...: RMSNorm over each group of g
+    channels, times sigmoid(gate)) == rms_norm_gated then the naive matmul. via_engine: through
+    engine.quant_matmul_gated_norm (as the model calls it)."""
+    from volundr.kernels.norm.naive import naive_rms_norm_gated
+    from volundr.kernels.quant import engine
+    from volundr.kernels.quant.gemv_tc import gemv_tc
+
+    qa, qb, sz = _layer(n, k, bits, g, device, seed)
+    bf = torch.bfloat16
+    # heads of different scales: the per-head 1 / rms matters
+    x = (torch.randn(1, k // g, g, device=device)
+         * torch.rand(1, k // g, 1, device=device) * 4).to(bf).view(1, k)
+    gate = (torch.randn(1, k, device=device) * 2).to(bf)
+    w = (torch.rand(g, device=device) + 0.5).to(bf)
+    x_ref = naive_rms_norm_gated(x.view(1, -1, g), w, gate.view(1, -1, g), 1e-6).view(1, k)
+    ref = naive_quant_matmul(x_ref.float(), qa, qb, sz, bits, g, k)
+    if via_engine:
+        y = engine.quant_matmul_gated_norm(x, gate, w, 1e-6, qa, qb, sz, bits, g)
+    else:
+        out = torch.full((1, n), float("nan"), device=device, dtype=torch.float32)
+        y = gemv_tc(x, qa, qb, sz, bits, g, out=out, gnorm=(gate, w, 1e-6), **kw)
+    # (the reference rounds RMSNorm(x) w to bf16 before the gate, the kernel rounds x w gate
+    # and scales the sums by 1 / rms in fp32; the interpreter truncates where CUDA rounds)
+    tol = tol or (8e-3 if device == "cuda" else 2e-2)
+    err = _rel(y, ref)
+    assert err < tol, (n, k, bits, g, kw, err)
+
+
+def check_gated_module(bits: int, device: str = "cpu", heads: int = 4, n: int = 64) -> None:
+    """The model's path: a GatedNorm into a mixed-bit QuantLinear (KDA's o_proj) folds the
+    norm at M = 1 (the gated norm kernel never runs) and gives the materialised path's y."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from volundr import ops
+    from volundr.kernels.quant import quantize_random_linear
+    from volundr.model.layers import GatedNorm
+
+    bf = torch.bfloat16
+    lin = quantize_random_linear(n, heads * 128, bits, 128, device, seed=_seed())
+    x, gate = (torch.randn(2, 1, heads, 128, device=device) * 3).to(bf).unbind(0)
+    w = (torch.rand(128, device=device) + 0.5).to(bf)
+    on_cpu = mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name))
+    with on_cpu if device == "cpu" else nullcontext():
+        with mock.patch.object(ops, "rms_norm_gated", side_effect=AssertionError("norm ran")):
+            y = lin(GatedNorm(x, w, gate, 1e-6))
+        y_ref = lin(GatedNorm(x, w, gate, 1e-6).value())
+    assert y.shape == (1, n) and _rel(y, y_ref) < (8e-3 if device == "cuda" else 2e-2), bits
+
+
 def check_prenorm_module(bits: int, device: str = "cpu", k: int = 512,
                          parts: tuple = (64, 32)) -> None:
     """The model's path: a PreNorm into a FusedLinear of mixed-bit layers folds the norm (the
@@ -315,11 +366,8 @@ def run_cpu(group: str) -> None:
             # the first 2 blocks, and all (4 at 4 bits; more than a set has: all 2 at 2/3 bits)
             check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=2)
             check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=4)
-            # and the next set's blocks loaded before this set's work (xset): 3 sets per
-            # program; a ragged N and last set; 2 splits of 2 sets
-            check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=1, xset=True)
-            check_tc(200, 640, bits, 128, "cpu", _seed(), reps=2, splits=1, early=2, xset=True)
-            check_tc(96, 2048, bits, 128, "cpu", _seed(), reps=1, splits=2, early=4, xset=True)
+            # 2 splits of 2 sets
+            check_tc(96, 2048, bits, 128, "cpu", _seed(), reps=1, splits=2, early=4)
             check_tc(64, 512, bits, 128, "cpu", _seed(), tol=8e-3, out_dtype=torch.bfloat16,
                      reps=1, splits=1)
             # SwiGLU in the x loads (tolerance: the interpreter truncates fp32 -> bf16 where
@@ -330,6 +378,10 @@ def run_cpu(group: str) -> None:
             check_tc_norm(64, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
             check_tc_norm(64, 640, bits, 128, "cpu", _seed(), reps=1, splits=1)
             check_tc_norm(200, 512, bits, 128, "cpu", _seed(), reps=1, splits=2)
+            # KDA's gated output norm in the x loads: split-K, a ragged N and last set (5
+            # groups), early weights
+            check_tc_gnorm(64, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
+            check_tc_gnorm(200, 640, bits, 128, "cpu", _seed(), reps=1, splits=1, early=1)
             if bits != 3:
                 check_tc(64, 256, bits, 64, "cpu", _seed(), reps=2)
             if bits == 4:  # 18 splits: summed in two chunks (sum_splits), the second ragged
@@ -344,6 +396,9 @@ def run_cpu(group: str) -> None:
             engine.NORM_FOLD = True  # (off by default until measured on the GPU)
             check_tc_norm(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
             check_prenorm_module(bits)
+            engine.GATED_NORM_FOLD = True  # (off by default until measured on the GPU)
+            check_tc_gnorm(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
+            check_gated_module(bits)
         return
     for bits in (2, 3, 4):
         if group == "gemv":
@@ -838,24 +893,39 @@ def test_cuda_gemv_tc_pipelined_sets(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_cuda_gemv_tc_early_weights(bits):
     """gemv_tc with each set's first 1, 2 or all blocks of weight words loaded before the PDL
-    wait (and with the next set's loaded before this set's work, xset, at 3 sets per program):
-    == naive at Volundr-32B shapes, one set per program and several, capped at 128 registers
-    (spills at 4 blocks) and not, and in a replayed CUDA graph of PDL launches (the engine's
-    setting)."""
+    wait: == naive at Volundr-32B shapes, one set per program and several (3 at waves 8),
+    capped at 128 registers (spills at 4 blocks) and not, and in a replayed CUDA graph of PDL
+    launches (the engine's setting)."""
     for n, k in ((17408, 5120), (5120, 17408), (15680, 5120)):
         for splits in (None, 2):
             for early, kw in ((True, {}), (2, {"maxnreg": 128}), (4, {}),
                               (4, {"maxnreg": 128, "reps": 1}),
-                              (1, {"maxnreg": 128, "waves": 8.0, "xset": True}),
-                              (2, {"waves": 8.0, "xset": True})):
+                              (1, {"maxnreg": 128, "waves": 8.0}), (2, {"waves": 8.0})):
                 check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, splits=splits,
                          early=early, **{"reps": 2, **kw})
     from functools import partial
 
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
-    for kw in (dict(early=True), dict(early=4), dict(early=1, xset=True, splits=2)):
+    for kw in (dict(early=True), dict(early=4), dict(early=1, splits=2)):
         check_graph_replay(partial(gemv_tc, **kw), 1, bits)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_gated_norm_folded_into_gemv(bits, monkeypatch):
+    """KDA's gated output norm folded into gemv_tc at its o_proj shape (5120 x 5120, 40 heads
+    of 128), the engine's config, split-K and one split, early weights and not, through
+    engine.quant_matmul_gated_norm: == the gated norm then naive; and the GatedNorm module
+    path skips the norm kernel."""
+    from volundr.kernels.quant import engine
+
+    monkeypatch.setattr(engine, "GATED_NORM_FOLD", True)
+    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), **engine.GEMV_TC_CONFIG[bits])
+    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), reps=2, splits=1, early=1)
+    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), reps=1, splits=3, early=0)
+    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), via_engine=True)
+    check_gated_module(bits, "cuda", 40, 5120)
 
 
 @gpu

@@ -16,7 +16,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear, GroupedLinear, PreNorm
+from volundr.model.layers import FusedLinear, GatedNorm, GroupedLinear, PreNorm
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -99,5 +99,6 @@ class KDA(nn.Module):
             q, k, v = qkv.view(T, 3, H, K).unbind(1)
             o = ops.kda_mixer(q, k, v, f, beta, self.A_log, self.dt_bias, self.state,
                               b.slot_ids, b.cu_seqlens, b.cu_list, scale=K ** -0.5)  # [T, H, V]
-        o = ops.rms_norm_gated(o, self.o_norm.weight, g_out, self.eps)
-        return self.o_proj(o.reshape(T, H * K))
+        # the gated output norm, which a mixed-bit o_proj may fold into its GEMV
+        o = GatedNorm(o, self.o_norm.weight, g_out, self.eps)
+        return self.o_proj(o if getattr(self.o_proj, "takes_norms", False) else o.value())

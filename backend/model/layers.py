@@ -42,9 +42,25 @@ class PreNorm:
         return self._value
 
 
+class GatedNorm:
+    """KDA's output RMSNorm(x) * sigmoid(gate) over each head, flattened to [T, H * K], not
+    computed yet: the mixed-bit o_proj may fold it into its GEMV at M = 1
+    (`QuantLinear.forward`), saving the norm's launch; anything else calls `value()`."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
+        self.x, self.weight, self.gate, self.eps = x, weight, gate, eps  # x, gate [T, H, K]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.x.shape[0], self.x.shape[1] * self.x.shape[2]))
+
+    def value(self) -> torch.Tensor:
+        return ops.rms_norm_gated(self.x, self.weight, self.gate, self.eps).reshape(self.shape)
+
+
 def materialize(x):
-    """x itself, or the value of a PreNorm."""
-    return x.value() if isinstance(x, PreNorm) else x
+    """x itself, or the value of a PreNorm or GatedNorm."""
+    return x.value() if isinstance(x, (PreNorm, GatedNorm)) else x
 
 
 class FusedLinear(nn.Module):

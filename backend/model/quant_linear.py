@@ -30,7 +30,7 @@ from volundr.kernels.quant.pack import (
     to_kernel_layout,
     unpack_bitstream,
 )
-from volundr.model.layers import PreNorm
+from volundr.model.layers import GatedNorm, PreNorm
 from volundr.model.parallel import TP, ParallelLMHead, RowParallelLinear, all_reduce
 from volundr.model.weights import expected_tensors
 
@@ -42,6 +42,8 @@ class QuantLinear(nn.Module):
 
     `parallel` keeps the tensor-parallel semantics of the module it replaces: "row" all-reduces
     the partial output (RowParallelLinear), "lm_head" gathers the vocab shards on rank 0."""
+
+    takes_norms = True  # forward takes a PreNorm / GatedNorm (and may fold it)
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
                  device: torch.device | str | None = None, parallel: str | None = None,
@@ -116,13 +118,15 @@ class QuantLinear(nn.Module):
         return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,
                                         self.in_features, dtype)
 
-    def forward(self, x: torch.Tensor | PreNorm, swiglu: bool = False) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor | PreNorm | GatedNorm,
+                swiglu: bool = False) -> torch.Tensor | None:
         """x [..., in]; swiglu: x [..., 2 in] holds (gate, up) and the input is SiLU(gate) * up
         (on CUDA fused into the decode kernels' x loads: the MLP's SwiGLU launch saved).
         x a PreNorm [T, in]: where the kernels can, the residual add and RMSNorm run inside
-        the matmul (ops-level `quant_matmul_rms_norm`); otherwise the norm runs first."""
-        if isinstance(x, PreNorm):
-            y = self._forward_prenorm(x)
+        the matmul (ops-level `quant_matmul_rms_norm`); otherwise the norm runs first. x a
+        GatedNorm (KDA's output norm): likewise at M = 1 (`quant_matmul_gated_norm`)."""
+        if isinstance(x, (PreNorm, GatedNorm)):
+            y = self._forward_prenorm(x) if isinstance(x, PreNorm) else self._forward_gated(x)
             if y is not None:
                 return self._finish(y)
             x = x.value()
@@ -154,6 +158,15 @@ class QuantLinear(nn.Module):
             return None
         y, p.residual_out = r
         return y
+
+    def _forward_gated(self, g: GatedNorm) -> torch.Tensor | None:
+        """y of the folded gated norm (at M = 1), or None where no kernel folds it."""
+        fast = ops._fast(g.x, "quant")
+        if fast is None or g.x.shape[0] != 1 or self.qa.device != g.x.device:
+            return None
+        return fast.quant_matmul_gated_norm(g.x.reshape(g.shape), g.gate.reshape(g.shape),
+                                            g.weight, g.eps, self.qa, self.qb, self.sz,
+                                            self.bits, self.group_size)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor | None:
         """The tensor-parallel tail: a row-parallel layer all-reduces, a vocab-parallel lm_head

@@ -45,7 +45,9 @@ if GEMV_PATH not in ("fma", "tc"):
 GEMV_TC_CONFIG = {2: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
                   3: dict(reps=2, num_warps=1, waves=24.0),
                   4: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128)}
-TC_MIN_DIM = 4096
+# Engram's k / v projections (5120 x 2048) included since run 22/23: 6.85 -> 4.79 us per call
+# at M = 1 (census), 10.7 -> 9.9 at M = 16; below it (KDA's f_b / g_b, K = rank) the FMA path.
+TC_MIN_DIM = 2048
 BATCH_CONFIG = dict(bn=128, num_warps=4, waves=4.0, prefetch=True, num_stages=1)
 # 2 <= M <= 16 on the tensor cores with x^T as the mma's B operand (gemm_tc.py: gemv_tc's
 # bf16x2 dequantisation shared by all M rows), the default since 2026-12-03;
@@ -63,6 +65,11 @@ PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # program's prologue adds a dependent trip through memory, and the GEMVs are latency-bound,
 # ~6.5 us fixed per call). Opt-in with VOLUNDR_NORM_FOLD=1.
 NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
+# KDA's gated output norm (RMSNorm over each head, times sigmoid(gate)) folded into its o_proj
+# GEMV at M = 1 (gemv_tc `gnorm`: the per-head 1 / rms scales each group's sums, no prologue):
+# 54 norm launches per Volundr-32B token less. Off until measured on the GPU:
+# VOLUNDR_GATED_NORM_FOLD=1 turns it on.
+GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
 
@@ -121,6 +128,22 @@ def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
     y = gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, norm=(residual, norm_weight, eps, h),
                         **GEMV_TC_CONFIG[bits])
     return y, h
+
+
+def quant_matmul_gated_norm(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor,
+                            eps: float, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
+                            bits: int, group_size: int) -> torch.Tensor | None:
+    """y = (RMSNorm(x) * sigmoid(gate) over each head of group_size channels, norm weight
+    [group_size]) @ W^T in one launch, for x, gate [1, K]; None where no kernel folds it
+    (GATED_NORM_FOLD off, M > 1, head dim != group size, a shape or dtype the tensor-core GEMV
+    does not take): the caller then runs the gated norm kernel first."""
+    if not (GATED_NORM_FOLD and norm_weight.numel() == group_size
+            and _takes_gemv_tc(x, x.shape[1], qa.shape[1], bits, group_size)
+            and x.is_contiguous() and gate.shape == x.shape and gate.stride(-1) == 1
+            and gate.dtype == norm_weight.dtype == x.dtype):
+        return None
+    return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size,
+                           gnorm=(gate, norm_weight.contiguous(), eps), **GEMV_TC_CONFIG[bits])
 
 
 def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,

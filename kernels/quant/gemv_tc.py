@@ -304,6 +304,17 @@ def _ldx(ptr, up_off, mask, MASKED: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
+def _ldx_gated(x_ptr, g_ptr, nw_ptr, off, w_off, mask, MASKED: tl.constexpr):
+    """GNORM's x load: u = x w sigmoid(gate) in fp32, rounded to x's dtype (the group's
+    1 / rms(x) is applied to its sums later), and x^2 for that rms. off: element offsets of x
+    and gate; w_off: of the norm weight (the position in the group). Masked elements: 0."""
+    x = _ld(x_ptr + off, mask, MASKED).to(tl.float32)
+    g = _ld(g_ptr + off, mask, MASKED).to(tl.float32)
+    w = _ld(nw_ptr + w_off, mask, MASKED).to(tl.float32)
+    return (x * w * tl.sigmoid(g)).to(x_ptr.dtype.element_ty), x * x
+
+
+@triton.jit
 def _norm_prologue(x_ptr, r_ptr, w_ptr, h_ptr, xs_ptr, set0, set1, K, write, G: tl.constexpr):
     """NORM, over this program's K range (sets set0 .. set1 - 1 of 4 groups): v = x + r rounded
     to x's dtype (as the norm kernel rounds the residual add), x' = v w into the scratch xs
@@ -393,7 +404,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
                    NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                   EARLY_W: tl.constexpr = 0, XSET: tl.constexpr = False):
+                   EARLY_W: tl.constexpr = 0, g_ptr=None, GNORM: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -405,9 +416,11 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     top of the set, before `griddepcontrol.wait` (weights are never written by an earlier
     kernel), so a program made resident while the kernel before drains has its first HBM trip
     under way, and e blocks of loads are in flight at once; later sets wait again (a no-op).
-    XSET (with EARLY_W): the next set's first e blocks are loaded before this set's work (a
-    register double buffer across the sets of a program: its loads overlap this set's
-    dequantise + mma, which otherwise all come after a program's last load lands)."""
+    GNORM: y = (RMSNorm(x) sigmoid(gate) per group of G channels, norm weight nw [G]) W^T, KDA's
+    gated output norm over each head (head dim = G) folded into its o_proj: the 1 / rms of a
+    group is one scalar, so the mma runs on u = x w sigmoid(gate) (in the x loads, like SWIGLU)
+    and each group's sums are scaled by it; the group's sum of squares comes from the x values
+    the lanes load anyway (a program holds whole groups: no split-K partials needed)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -443,12 +456,6 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                             pid_n == 0, G)
         tl.debug_barrier()  # the whole program's x' is in xs before any lane reads it
         x_ptr = xs_ptr
-    XPF: tl.constexpr = XSET and EARLY
-    nxt = ()
-    if XPF:  # the first set's blocks before the wait; each set then loads the next one's
-        nxt = _pre_words(qa_ptr, qb_ptr, set0 * 4 + c4, n, N,
-                         nmask & (set0 * 4 + c4 < num_groups), True, BITS, WA, PRE)
-        pdl.wait()
     for st in tl.range(set0, set1, num_stages=STAGES):
         grp = st * 4 + c4  # [4, 1, 1, 1]: lane c's group
         if EVEN:  # N % BN == 0 and whole sets: no masks (a masked load also zeroes registers)
@@ -463,27 +470,31 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             xmask = ok & (q4 >= 0)
         d = tl.zeros([4, Q, L, 4], dtype=tl.float32)
         xb = tl.zeros([4, Q, 1, 4], dtype=tl.float32)
+        sq = tl.zeros([4, Q, 1, 4], dtype=tl.float32)  # GNORM: x^2 of the lane's x loads
         xsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         xo = grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
-        if XPF:
-            pre = nxt
-            nmask1 = nmask & (st + 1 < set1)
-            nxt = _pre_words(qa_ptr, qb_ptr, grp + 4, n, N, nmask1 & (grp + 4 < num_groups),
-                             True, BITS, WA, PRE)
-        else:
-            pre = ()
-            if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
-                pre = _pre_words(qa_ptr, qb_ptr, grp, n, N, wmask, not EVEN, BITS, WA, PRE)
-                pdl.wait()
+        pre = ()
+        if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
+            pre = _pre_words(qa_ptr, qb_ptr, grp, n, N, wmask, not EVEN, BITS, WA, PRE)
+            pdl.wait()
         for blk in tl.static_range(NBLK):
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
-                xlo = _ldx(x_ptr + xo + p * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN,
-                           SWIGLU)
-                xhi = _ldx(x_ptr + xo + (p + NP) * WA + blk * 4, up_off, xmask,
-                           USE_ASM or not EVEN, SWIGLU)
+                if GNORM:  # position in the group: the norm weight's index
+                    xlo, sql = _ldx_gated(x_ptr, g_ptr, nw_ptr, xo + p * WA + blk * 4,
+                                          xo - grp * G + p * WA + blk * 4, xmask,
+                                          USE_ASM or not EVEN)
+                    xhi, sqh = _ldx_gated(x_ptr, g_ptr, nw_ptr, xo + (p + NP) * WA + blk * 4,
+                                          xo - grp * G + (p + NP) * WA + blk * 4, xmask,
+                                          USE_ASM or not EVEN)
+                    sq += sql + sqh
+                else:
+                    xlo = _ldx(x_ptr + xo + p * WA + blk * 4, up_off, xmask,
+                               USE_ASM or not EVEN, SWIGLU)
+                    xhi = _ldx(x_ptr + xo + (p + NP) * WA + blk * 4, up_off, xmask,
+                               USE_ASM or not EVEN, SWIGLU)
                 if USE_ASM:
                     pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
                                                    dtype=tl.int32, is_pure=True, pack=2)
@@ -526,6 +537,11 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         sc = (szw << 16).to(tl.float32, bitcast=True)
         zr = (szw & -65536).to(tl.float32, bitcast=True)
         # d = B + sum q x over the lane's group; masked groups: s = 0
+        if GNORM:
+            # quad 2c holds all G of group c's x (quads 2c, 2c + 1 load them in the asm
+            # path, every quad in the interpreter's): one copy, summed over its lanes
+            ssq = tl.sum(tl.where(q4 == 2 * c4, sq, 0.0), axis=3, keep_dims=True)
+            sc = sc * tl.rsqrt(tl.sum(ssq, axis=1, keep_dims=True) / G + eps)
         acc += sc * (d - (bsum + zr * xsum))
     if EARLY:  # every path waits before its stores and atomics (a no-op after the loop's)
         pdl.wait()
@@ -591,7 +607,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
             norm: tuple | None = None, stages: int = 1,
-            early: bool | int | None = None, xset: bool = False) -> torch.Tensor:
+            early: bool | int | None = None, gnorm: tuple | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -609,13 +625,17 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     early: each set's first `early` blocks of words (True: 1; at most WA / 4) loaded before the
     PDL wait (EARLY_W); default pdl.EARLY_WEIGHTS[bits]: 1 at 4 bits, none at 2 and 3 (H200: the
     kernel bench of run 14 had 1 block 3-bit 9-20% faster and 4-bit 1-6%, 2-bit 1-6% slower
-    (spills under its cap); in the engine, run 15, 3-bit lost, 4-bit won). xset (with early):
-    each set also loads the next set's first `early` blocks before its own work (XSET)."""
+    (spills under its cap); in the engine, run 15, 3-bit lost, 4-bit won; run 19: 2 or 4
+    blocks lost at every engine shape).
+    gnorm = (gate [1, K], weight [G], eps): y = (RMSNorm(x) sigmoid(gate) over each group of
+    G channels, that norm weight) @ W^T (KDA's gated output norm over its heads, head dim G,
+    folded into o_proj: a launch less per KDA layer); bf16 with unit stride."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
     assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
-    assert not (swiglu and norm), "swiglu and norm exclude each other"
+    assert (swiglu, norm is not None, gnorm is not None).count(True) <= 1, \
+        "swiglu, norm and gnorm exclude each other"
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
     num_groups = k // group_size
@@ -638,6 +658,12 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         ss = torch.empty(ns * n_tiles, dtype=torch.float32, device=x.device)
         nkw = dict(r_ptr=res, nw_ptr=w, h_ptr=h, xs_ptr=torch.empty_like(x), ss_ptr=ss,
                    eps=float(eps), NORM=True)
+    if gnorm is not None:
+        gate, w, eps = gnorm
+        assert (gate.dtype == w.dtype == x.dtype and gate.shape == x.shape and gate.stride(1) == 1
+                and w.is_contiguous() and w.numel() == group_size), \
+            "gnorm: gate like x, weight [group_size], x's dtype, unit stride"
+        nkw = dict(g_ptr=gate, nw_ptr=w, eps=float(eps), GNORM=True)
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
@@ -648,7 +674,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
         PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
         SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
-        EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early), XSET=xset,
+        EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
         launch_pdl=pdl.ON.value, **nkw,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return out

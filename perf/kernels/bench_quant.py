@@ -211,37 +211,27 @@ def plot(data: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# --m1-compare: the engine's FMA config per bit width vs tensor-core configs on the engine's grid
-# (reps 2 = 64 rows per 1-warp program, waves 24 = one set of 4 groups per program at K = 5120)
-# with 0, 1 and 2 blocks of each set's weights loaded before the PDL wait (`early`; the timed
-# graph launches with PDL; the engine: 1 at 4 bits capped at 128 registers, 0 at 2 bits capped
-# and at 3 bits uncapped), then a whole set in flight: 4 blocks uncapped (4-bit: 214
-# registers; 2/3 bits have 2 blocks a set), reps 1 (32-row programs hold a whole set in 128
-# registers, no spills at 2/4 bits); then 3 sets per program (waves 8; 16 at reps 1) with the
-# next set's first blocks loaded before each set's work (xset: the loads of one set overlap
-# the arithmetic of the one before; 4-bit reps 2 early 1: 168 registers uncapped, reps 1
-# early 2: 128, no spills). Run 16's streaming sweep had its best grids hold a whole set in
-# flight. (Session 6 measured stages 2 at 1.5-2.3x slower, waves 16-48 the same, and reps 1 up
-# to 1.6x slower without early loads.)
-TC_CFGS = [dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=0),
-           dict(reps=2, num_warps=1, waves=24.0, early=0),
-           dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=1),
-           dict(reps=2, num_warps=1, waves=24.0, maxnreg=128, early=2),
-           dict(reps=2, num_warps=1, waves=24.0, early=4),
-           dict(reps=1, num_warps=1, waves=48.0, maxnreg=128, early=4),
-           dict(reps=2, num_warps=1, waves=8.0, early=1, xset=True),
-           dict(reps=1, num_warps=1, waves=16.0, maxnreg=128, early=2, xset=True)]
+# --m1-compare: the engine's FMA config per bit width vs tensor-core configs. engine=True starts
+# from the engine's GEMV_TC_CONFIG for the bit width (reps 2 = 64 rows per 1-warp program,
+# waves 24 = one set of 4 groups per program at K = 5120; 128-register cap at 2 and 4 bits;
+# early weights per pdl.EARLY_WEIGHTS) and sets the keys given (maxnreg=None: no cap). Runs
+# 14-20 measured early 0-4 blocks, the next set's early blocks loaded before each set's work,
+# 2 or 4 accumulator chains per set, stages 2, waves 8-48: none beat the engine's config.
+TC_CFGS = [dict(engine=True),
+           dict(engine=True, maxnreg=None),
+           dict(engine=True, early=0),
+           dict(engine=True, reps=1, waves=48.0)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
-# the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up
-M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120)]
+# the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up;
+# and Engram's k / v projections (K = 2048: the FMA path below TC_MIN_DIM)
+M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120), (5120, 2048)]
 
 
 def parse_cfgs(text: str) -> list[dict]:
-    """"reps,warps,waves[,maxnreg[,stages[,early[,xset]]]];..." -> [dict(reps=, num_warps=,
-    ...)] (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages =
-    its software-pipelined set loop, weights through shared memory; early = k: the first k
-    blocks of weights of each set loaded before the PDL wait; xset = 1: and the next set's
-    before each set's work)."""
+    """"reps,warps,waves[,maxnreg[,stages[,early]]];..." -> [dict(reps=, num_warps=, ...)]
+    (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages = its
+    software-pipelined set loop, weights through shared memory; early = k: the first k blocks
+    of weights of each set loaded before the PDL wait)."""
     out = []
     for part in filter(None, text.split(";")):
         f = part.split(",")
@@ -252,8 +242,6 @@ def parse_cfgs(text: str) -> list[dict]:
             cfg["stages"] = int(f[4])
         if len(f) > 5:
             cfg["early"] = int(f[5])
-        if len(f) > 6:
-            cfg["xset"] = f[6] == "1"
         out.append(cfg)
     return out
 
@@ -303,6 +291,19 @@ def _save_compare(data: dict, out: str, name: str, t0: float) -> int:
     return 1 if bad else 0
 
 
+def _tc_kwargs(cfg: dict, bits: int) -> dict:
+    """gemv_tc kwargs of a TC_CFGS entry: engine=True: the engine's config for `bits`, then
+    the entry's keys; early spelt out (the engine's comes from pdl.EARLY_WEIGHTS)."""
+    from volundr.kernels import pdl
+    from volundr.kernels.quant.engine import GEMV_TC_CONFIG
+
+    if not cfg.get("engine"):
+        return dict(cfg)
+    kw = {"early": pdl.EARLY_WEIGHTS.get(bits, 0), **GEMV_TC_CONFIG[bits],
+          **{k: v for k, v in cfg.items() if k != "engine"}}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
     """M = 1 only: old (FMA) vs new (tensor-core) GEMV at SHAPES x bits 2/3/4, one JSON. Each
     variant is checked against the naive reference first; a wrong one is recorded, not timed.
@@ -322,7 +323,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
             ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
             bn, nw, waves, pf = GEMV_CONFIG[bits]
             variants = [("fma", dict(bn=bn, num_warps=nw, waves=waves, prefetch=pf))]
-            variants += [("tc", dict(c)) for c in tc_cfgs]
+            variants += [("tc", _tc_kwargs(c, bits)) for c in tc_cfgs]
             for name, kw in variants:
                 rec = {"n": n, "k": k, "bits": bits, "variant": name, **kw, "bytes": nbytes,
                        "copies": copies}
@@ -438,7 +439,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     ap.add_argument("--tc-configs", default="",
                     help='--m1/--m16-compare: tensor-core configs "reps,warps,waves'
-                         '[,maxnreg[,stages[,early[,xset]]]];..." instead of the built-in list')
+                         '[,maxnreg[,stages[,early]]];..." instead of the built-in list')
     args = ap.parse_args(argv)
     if args.m1_compare or args.m16_compare:
         if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":

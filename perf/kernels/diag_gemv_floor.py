@@ -17,6 +17,9 @@ rotating over > 8x L2, so every call streams from HBM), us per call:
 
 --sweep: streaming alone (every load of a set in flight at once) over other grids (rows per
 program, warps, programs per SM): which grid can stream these shapes near the copy rate.
+--tiled: the same streaming against a layout with each (n tile, set) contiguous (two orders),
+same bytes: whether the kernel layout's access pattern (a warp's 128-bit loads hit 4 rows of
+128 bytes, N words apart) costs bandwidth.
 
 Differences between rows attribute the fixed cost: launch, split-K round trips, the streaming
 itself, and the dequantise + mma work. A timing diagnosis, not a test: the floor kernels'
@@ -115,6 +118,37 @@ def _stream_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, N, sets_per_split, n_sets,
     tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, acc.to(tl.float32))
 
 
+@triton.jit
+def _stream_tiled_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, N, n_tiles, sets_per_split, n_sets,
+                         RA: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr,
+                         SET_MAJOR: tl.constexpr):
+    """--tiled: _stream_kernel's bytes, but each (n tile, set) of a plane stored contiguously
+    (RA x BN words of qa, RB x BN of qb, 4 x BN of sz), so a warp's 128-bit loads cover 512
+    contiguous bytes instead of 4 rows x 128 bytes N words apart. SET_MAJOR: tiles ordered
+    [set][n tile] (the programs resident together read neighbouring tiles), else [n tile][set]
+    (a program's sets follow each other)."""
+    pdl.trigger()
+    pdl.wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    acc = tl.zeros([BN], dtype=tl.int32)
+    set0 = pid_k * sets_per_split
+    set1 = tl.minimum(set0 + sets_per_split, n_sets)
+    for st in range(set0, set1):
+        if SET_MAJOR:
+            t = (st * n_tiles + pid_n).to(tl.int64)
+        else:
+            t = (pid_n * n_sets + st).to(tl.int64)
+        # 1-D loads, reduced to a scalar (a reshape could go through shared memory)
+        w = tl.load(qa_ptr + t * (RA * BN) + tl.arange(0, RA * BN))
+        if RB > 0:
+            w2 = tl.load(qb_ptr + t * (RB * BN) + tl.arange(0, RB * BN))
+            acc ^= tl.xor_sum(w2, axis=0)
+        z = tl.load(sz_ptr + t * (4 * BN) + tl.arange(0, 4 * BN))
+        acc ^= tl.xor_sum(w, axis=0) ^ tl.xor_sum(z, axis=0)
+    tl.store(ws_ptr + pid_k.to(tl.int64) * N + pid_n * BN + tl.arange(0, BN), acc.to(tl.float32))
+
+
 # --sweep grids: (BN rows per program, warps per program, programs per SM); the engine's is
 # (64, 1, 24)
 SWEEP = [(64, 1, 24), (64, 1, 8), (64, 1, 48), (64, 2, 12), (128, 2, 12), (256, 4, 6),
@@ -130,6 +164,22 @@ def stream_call(layer, n, k, bits, bn, num_warps, waves):
     _stream_kernel[(n_tiles, ns)](qa, qb if qb.numel() else qa, sz, ws, n, sps, n_sets,
                                   RA=qa.shape[0] // n_sets, RB=qb.shape[0] // n_sets, BN=bn,
                                   num_warps=num_warps, launch_pdl=pdl.ON.value)
+
+# --tiled grids: the strided layout (as --sweep) against the two tile-contiguous orders
+TILED = [(64, 1, 24), (64, 1, 8), (64, 1, 48), (128, 2, 12), (256, 4, 6)]
+
+
+def stream_tiled_call(layer, n, k, bits, bn, num_warps, waves, set_major):
+    qa, qb, sz = layer
+    n_tiles = n // bn  # every engine shape is a multiple of 256 rows but 15680 (see run_shape)
+    n_sets = triton.cdiv(k // 128, 4)
+    sps, ns = split_k(n_tiles, n_sets, qa.device, waves)
+    ws, _ = _workspace(qa.device, n_tiles, ns * n)
+    _stream_tiled_kernel[(n_tiles, ns)](
+        qa, qb if qb.numel() else qa, sz.view(torch.int32), ws, n, n_tiles, sps, n_sets,
+        RA=qa.shape[0] // n_sets, RB=qb.shape[0] // n_sets, BN=bn, SET_MAJOR=set_major,
+        num_warps=num_warps, launch_pdl=pdl.ON.value)
+
 
 def floor_call(layer, n, k, bits, y, mode: str, grid_one: bool = False, use_pdl: bool = True):
     cfg = GEMV_TC_CONFIG[bits]
@@ -147,7 +197,7 @@ def floor_call(layer, n, k, bits, y, mode: str, grid_one: bool = False, use_pdl:
                         num_warps=cfg["num_warps"], launch_pdl=use_pdl and pdl.ON.value)
 
 
-def run_shape(n: int, k: int, bits: int, sweep: bool) -> list[dict]:
+def run_shape(n: int, k: int, bits: int, sweep: bool | str) -> list[dict]:
     """Time every variant at one shape (a function of its own: the closures bind its locals)."""
     nbytes = layer_bytes(random_layer(n, k, bits))
     copies = max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
@@ -166,8 +216,19 @@ def run_shape(n: int, k: int, bits: int, sweep: bool) -> list[dict]:
     def tc(c, early):
         gemv_tc(x, *layers[c], bits, 128, out=y, early=early, **cfg)
 
+    def tt(c, bn, nw, w, sm):
+        stream_tiled_call(layers[c], n, k, bits, bn, nw, w, sm)
+
     f = functools.partial
-    if sweep:
+    if sweep == "tiled":  # 15680 = 245 x 64: the tiled kernel streams its whole 64-row tiles
+        variants = {}
+        for bn, nw, w in TILED:
+            if n % bn:
+                continue
+            variants[f"strided {bn},{nw},{w}"] = f(st, bn=bn, nw=nw, w=w)
+            variants[f"tiled {bn},{nw},{w}"] = f(tt, bn=bn, nw=nw, w=w, sm=False)
+            variants[f"tiled set-major {bn},{nw},{w}"] = f(tt, bn=bn, nw=nw, w=w, sm=True)
+    elif sweep:
         variants = {f"stream {bn},{nw},{w}": f(st, bn=bn, nw=nw, w=w) for bn, nw, w in SWEEP}
     else:
         variants = {"empty": f(fl, mode="empty"), "empty 1": f(fl, mode="empty", grid_one=True),
@@ -192,8 +253,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gemv_floor.json")
     ap.add_argument("--sweep", action="store_true", help="streaming alone over SWEEP's grids")
+    ap.add_argument("--tiled", action="store_true",
+                    help="streaming: the weight layout against tile-contiguous ones")
     args = ap.parse_args(argv)
-    rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, args.sweep)]
+    mode = "tiled" if args.tiled else args.sweep
+    rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, mode)]
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     return 0
