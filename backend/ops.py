@@ -87,18 +87,28 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                g_raw: torch.Tensor, beta_raw: torch.Tensor, state: torch.Tensor,
                slot_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_list: list[int],
-               scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+               scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+               gated: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A KDA layer's decode step (one token per sequence, T == N; cu_seqlens / cu_list are
     arange(T + 1)): `causal_conv` (+ SiLU) over the raw q|k|v projections qkv [T, 3HK] (q, k, v
     each [H, K] per token) with conv_state, then `kda_mixer` with gate logits g_raw [T, H, K]
     and beta logits [T, H]; both states updated in place at slot_ids [T]. A negative slot id is
     a padding row: no state touched, and its o row is not to be used. Returns o [T, H, V].
-    On CUDA one kernel does all of it at small batch (kernels/kda/engine.py `decode_fits`)."""
+    On CUDA one kernel does all of it at small batch (kernels/kda/engine.py `decode_fits`).
+    gated = (gate [T, H, V] logits, norm weight [V]): returns (o w sigmoid(gate), ss [T, H, P]
+    fp32 partial sums of o^2 per head), the gated output norm but its per-head 1 / rms (see
+    `layers.GroupScaled`); the one kernel computes it in its epilogue."""
     fast = _fast(qkv, "kda")
     T, (_, H, K), V = qkv.shape[0], g_raw.shape, state.shape[-1]
     if fast is not None and fast.decode_fits(T, conv_weight.shape[-1]):
         return fast.kda_decode(qkv, conv_weight, conv_state, g_raw, beta_raw, state, slot_ids,
-                               scale, A_log, dt_bias)
+                               scale, A_log, dt_bias, gated=gated)
+    if gated is not None:  # the same from the ungated output
+        o = kda_decode(qkv, conv_weight, conv_state, g_raw, beta_raw, state, slot_ids,
+                       cu_seqlens, cu_list, scale, A_log, dt_bias).float()
+        gate, w = gated
+        u = o * w.float() * torch.sigmoid(gate.float())
+        return u.to(qkv.dtype), o.pow(2).sum(-1, keepdim=True)
     live = slot_ids >= 0
     if fast is None and not bool(live.all()):
         # padding rows (the kernels skip them; the naive ops would index with -1): the live rows

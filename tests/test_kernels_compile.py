@@ -173,6 +173,14 @@ def compile_all() -> list[str]:
                        torch.randn(n, H + 8, dtype=bf)[:, 8:], torch.zeros(16, H, K, K),
                        torch.arange(n), K ** -0.5, torch.zeros(H, dtype=bf),
                        torch.zeros(H * K, dtype=bf))
+    # with the gated output norm's elementwise part (the gate a column slice)
+    kda.kda_decode(wide[:1, :3 * H * K], torch.randn(3 * H * K, 4, dtype=bf),
+                   torch.zeros(16, 3 * H * K, 3, dtype=bf), torch.randn(1, H, K, dtype=bf),
+                   torch.randn(1, H + 8, dtype=bf)[:, 8:], torch.zeros(16, H, K, K),
+                   torch.arange(1), K ** -0.5, torch.zeros(H, dtype=bf),
+                   torch.zeros(H * K, dtype=bf),
+                   gated=(torch.randn(1, 2 * H * K, dtype=bf)[:, H * K:].view(1, H, K),
+                          torch.ones(K, dtype=bf)))
 
     # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
     def layer(n: int, bits: int, g: int = 128) -> tuple[torch.Tensor, ...]:
@@ -201,10 +209,9 @@ def compile_all() -> list[str]:
         # whole sets of weights before the PDL wait
         quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
                               splits=1, early=4)
-        # KDA's gated output norm in the x loads (its gate and x come from earlier kernels)
-        gate = torch.randn(1, 1024, dtype=bf)
+        # per-group scales (KDA's gated output norm; the sums of squares come from KDA)
         quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
-                              gnorm=(gate, torch.ones(128, dtype=bf), 1e-6))
+                              gscale=(torch.rand(8, 4), 1e-6))
         # a ragged N (not a multiple of the tile, nor of 16), 1 and 2 batch tiles; G = 64
         for g in (128, 64) if bits == 4 else (128,):
             ragged = layer(200, bits, g)

@@ -289,6 +289,51 @@ def check_decode(Ns, H, K, V, W, dtype, tol, device="cpu", steps=3, extra_cols=0
                 assert max(errs) < tol, f"{what} vs naive: {errs}"
 
 
+def check_decode_gated(N, H, K, V, W, dtype, tol, device="cpu", BV=None, pad=(), via_ops=False):
+    """kda_decode with the gated output norm's elementwise part in its epilogue (gated=(z, w))
+    == the plain kernel's o, then o w sigmoid(z) in PyTorch; its per-block sums of squares add
+    up to each head's sum of o^2; both states as the plain kernel leaves them; padding rows 0.
+    z is a column slice of a wider [N, 2 H V] tensor, as KDA's gate. via_ops: ops.kda_decode
+    with the kernels on every device (its unfused route for W = 5). Returns (o, u, ss, z, w)."""
+    from unittest import mock
+
+    from volundr import ops
+    from volundr.kernels.kda import decode
+    slots, C, scale = N + 3, 2 * H * K + H * V, K ** -0.5
+    w = torch.randn(C, W, dtype=dtype, device=device)
+    A_log = torch.rand(H, device=device) * 2 - 0.5
+    dt_bias = torch.randn(H * K, device=device) * 0.5
+    cs, pool = (torch.randn(slots, C, W - 1, dtype=dtype, device=device),
+                torch.randn(slots, H, K, V, device=device))
+    plain = [cs.clone(), pool.clone()]
+    x = make_decode(N, H, K, V, W, dtype, device, slots, pad)
+    z = torch.randn(N, 2 * H * V, dtype=dtype, device=device)[:, H * V:].view(N, H, V)
+    nw = (torch.rand(V, device=device) + 0.5).to(dtype)
+    cu = torch.arange(N + 1, dtype=torch.int32, device=device)
+
+    def run(st, gated):
+        args = (x["qkv"], w, st[0], x["g"], x["beta"], st[1], x["ids"])
+        if not via_ops:
+            return decode.kda_decode(*args, scale, A_log, dt_bias, BV=BV, gated=gated)
+        with mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name)):
+            return ops.kda_decode(*args, cu, list(range(N + 1)), scale, A_log, dt_bias, gated)
+
+    o = run(plain, None)
+    u, ss = run((cs, pool), (z, nw))
+    assert torch.equal(cs, plain[0]) and rel(pool, plain[1]) < 1e-6, "states"
+    of = o.float()
+    live = x["ids"] >= 0
+    u_ref = (of * nw.float() * torch.sigmoid(z.float())).to(dtype)
+    assert rel(u[live], u_ref[live]) < tol, ("u", rel(u[live], u_ref[live]))
+    assert ss.dtype == torch.float32 and ss.shape[:2] == (N, H)
+    err = rel(ss.sum(-1)[live], of.pow(2).sum(-1)[live])
+    assert err < 1e-5, ("sums of squares", err)
+    if not via_ops:
+        assert ss.shape[2] == -(-V // min(BV or decode.CONFIG["BV"], V)), ss.shape
+        assert not u[~live].any() and not ss[~live].any(), "padding rows"
+    return o, u, ss, z, nw
+
+
 def check_ops_decode(N=4, H=2, K=16, V=16, W=4, pad=(1,)):
     """ops.kda_decode's CPU path (the naive composition) == the reference, padding skipped."""
     from volundr import ops
@@ -339,6 +384,11 @@ INTERPRETER_CASES = {
     "decode_ops_dispatch": lambda: [check_decode([n], 2, 16, 16, w, f32, 1e-5, steps=2,
                                                  via_ops=True, pad=(1,))
                                        for n, w in ((3, 2), (3, 5), (17, 4))],
+    # with the gated output norm's elementwise part and per-block sums of squares (2 blocks
+    # per head, a padding row; fp16 rounding of o before the gate); and ops' unfused route
+    "decode_gated": lambda: [check_decode_gated(3, 2, 32, 16, 4, f32, 1e-5, BV=8, pad=(1,)),
+                             check_decode_gated(2, 4, 32, 32, 3, f16, 2e-3, BV=16),
+                             check_decode_gated(3, 2, 16, 16, 5, f32, 1e-5, via_ops=True)],
 }
 
 
@@ -433,6 +483,34 @@ def test_gpu_kda_decode(N, cfg):
                      pad=(3, 9) if N > 1 else (), extra_cols=256 if N > 1 else 0)
     finally:
         decode.CONFIG.update(saved)
+
+
+@cuda
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gpu_gated_norm_folded_into_o_proj(bits, monkeypatch):
+    """Volundr shapes: the KDA decode kernel's gated epilogue (batch 1 and 16 with padding,
+    both launch settings) and, at batch 1, its output through a mixed-bit o_proj that folds the
+    per-head scale into its GEMV (the model's decode path with VOLUNDR_GATED_NORM_FOLD=1) ==
+    the gated RMSNorm then the naive matmul; the unfolded GroupScaled value is never made."""
+    from unittest import mock
+
+    from volundr.kernels.norm.naive import naive_rms_norm_gated
+    from volundr.kernels.quant import engine, quantize_random_linear
+    from volundr.kernels.quant.naive import naive_quant_matmul
+    from volundr.model.layers import GroupScaled
+
+    monkeypatch.setattr(engine, "GATED_NORM_FOLD", True)
+    check_decode_gated(16, 40, 128, 128, 4, bf16, 4e-3, "cuda", BV=16, pad=(3, 9))
+    o, u, ss, z, nw = check_decode_gated(1, 40, 128, 128, 4, bf16, 4e-3, "cuda")
+    lin = quantize_random_linear(5120, 5120, bits, 128, "cuda", seed=bits)
+    assert lin.folds_gated_norm(u.view(1, -1), 128) and not lin.folds_gated_norm(u.view(1, -1),
+                                                                                   64)
+    with mock.patch.object(GroupScaled, "value", side_effect=AssertionError("not folded")):
+        y = lin(GroupScaled(u.view(1, -1), ss, 1e-6))
+    x_ref = naive_rms_norm_gated(o, nw, z, 1e-6).view(1, -1)
+    ref = naive_quant_matmul(x_ref.float(), lin.qa, lin.qb, lin.sz, bits, 128, 5120)
+    assert rel(y, ref) < 8e-3, rel(y, ref)
+    assert rel(GroupScaled(u.view(1, -1), ss, 1e-6).value(), x_ref) < 8e-3  # the unfolded path
 
 
 @cuda

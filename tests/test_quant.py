@@ -180,55 +180,102 @@ def check_tc_norm(n, k, bits, g, device, seed, tol=None, via_engine=False, **kw)
     assert err < tol, (n, k, bits, g, kw, err)
 
 
-def check_tc_gnorm(n, k, bits, g, device, seed, tol=None, via_engine=False, **kw) -> None:
-    """gemv_tc with KDA's gated output norm folded in (gnorm=...: RMSNorm over each group of g
-    channels, times sigmoid(gate)) == rms_norm_gated then the naive matmul. via_engine: through
-    engine.quant_matmul_gated_norm (as the model calls it)."""
-    from volundr.kernels.norm.naive import naive_rms_norm_gated
+def check_tc_gscale(n, k, bits, g, device, seed, parts=2, tol=None, via_engine=False,
+                    **kw) -> None:
+    """gemv_tc with each group's sums scaled by rsqrt(sum(gs[group]) / g + eps) (gscale=...:
+    KDA's gated output norm, per-head scale from the decode kernel's sums of squares) == the
+    naive matmul of x with each group scaled first. via_engine: through
+    engine.quant_matmul_group_scaled (as the model calls it)."""
     from volundr.kernels.quant import engine
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
     qa, qb, sz = _layer(n, k, bits, g, device, seed)
-    bf = torch.bfloat16
-    # heads of different scales: the per-head 1 / rms matters
-    x = (torch.randn(1, k // g, g, device=device)
-         * torch.rand(1, k // g, 1, device=device) * 4).to(bf).view(1, k)
-    gate = (torch.randn(1, k, device=device) * 2).to(bf)
-    w = (torch.rand(g, device=device) + 0.5).to(bf)
-    x_ref = naive_rms_norm_gated(x.view(1, -1, g), w, gate.view(1, -1, g), 1e-6).view(1, k)
-    ref = naive_quant_matmul(x_ref.float(), qa, qb, sz, bits, g, k)
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    gs = torch.rand(k // g, parts, device=device) * 100 + 1  # heads of different scales
+    r = torch.rsqrt(gs.sum(-1) / g + 1e-6)
+    ref = naive_quant_matmul((x.float().view(-1, g) * r[:, None]).view(1, k), qa, qb, sz, bits,
+                             g, k)
     if via_engine:
-        y = engine.quant_matmul_gated_norm(x, gate, w, 1e-6, qa, qb, sz, bits, g)
+        y = engine.quant_matmul_group_scaled(x, gs, 1e-6, qa, qb, sz, bits, g)
     else:
         out = torch.full((1, n), float("nan"), device=device, dtype=torch.float32)
-        y = gemv_tc(x, qa, qb, sz, bits, g, out=out, gnorm=(gate, w, 1e-6), **kw)
-    # (the reference rounds RMSNorm(x) w to bf16 before the gate, the kernel rounds x w gate
-    # and scales the sums by 1 / rms in fp32; the interpreter truncates where CUDA rounds)
-    tol = tol or (8e-3 if device == "cuda" else 2e-2)
+        y = gemv_tc(x, qa, qb, sz, bits, g, out=out, gscale=(gs, 1e-6), **kw)
+    tol = tol or (8e-3 if via_engine else 1e-3)  # (the engine's y is bf16)
     err = _rel(y, ref)
     assert err < tol, (n, k, bits, g, kw, err)
 
 
-def check_gated_module(bits: int, device: str = "cpu", heads: int = 4, n: int = 64) -> None:
-    """The model's path: a GatedNorm into a mixed-bit QuantLinear (KDA's o_proj) folds the
-    norm at M = 1 (the gated norm kernel never runs) and gives the materialised path's y."""
+def check_scaled_module(bits: int, device: str = "cpu", heads: int = 4, n: int = 64) -> None:
+    """The model's path: a GroupScaled [1, heads * 128] into a mixed-bit QuantLinear (KDA's
+    o_proj) is folded into its GEMV (the unfolded value is never made) and gives the unfolded
+    path's y; the layer says so beforehand (`folds_gated_norm`), and not for another head dim."""
     from contextlib import nullcontext
     from unittest import mock
 
     from volundr import ops
     from volundr.kernels.quant import quantize_random_linear
-    from volundr.model.layers import GatedNorm
+    from volundr.model.layers import GroupScaled
 
-    bf = torch.bfloat16
     lin = quantize_random_linear(n, heads * 128, bits, 128, device, seed=_seed())
-    x, gate = (torch.randn(2, 1, heads, 128, device=device) * 3).to(bf).unbind(0)
-    w = (torch.rand(128, device=device) + 0.5).to(bf)
+    u = torch.randn(1, heads * 128, device=device).to(torch.bfloat16)
+    ss = torch.rand(1, heads, 2, device=device) * 200 + 1
     on_cpu = mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name))
     with on_cpu if device == "cpu" else nullcontext():
-        with mock.patch.object(ops, "rms_norm_gated", side_effect=AssertionError("norm ran")):
-            y = lin(GatedNorm(x, w, gate, 1e-6))
-        y_ref = lin(GatedNorm(x, w, gate, 1e-6).value())
+        assert lin.folds_gated_norm(u, 128) and not lin.folds_gated_norm(u, 64)
+        with mock.patch.object(GroupScaled, "value", side_effect=AssertionError("not folded")):
+            y = lin(GroupScaled(u, ss, 1e-6))
+        y_ref = lin(GroupScaled(u, ss, 1e-6).value())
     assert y.shape == (1, n) and _rel(y, y_ref) < (8e-3 if device == "cuda" else 2e-2), bits
+
+
+def check_kda_layer_fold(seed: int) -> None:
+    """The model's KDA decode step with its gated output norm folded (the decode kernel's gated
+    epilogue, then a GroupScaled into the mixed-bit o_proj's GEMV; neither the norm kernel nor
+    the unfolded value runs) == the same step unfolded (engine.GATED_NORM_FOLD off), states
+    included; on the CPU through the interpreter: 2 heads of 32 = o_proj's group size, 4-bit."""
+    import dataclasses
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from volundr import ops
+    from volundr.config import KDAConfig
+    from volundr.converter.presets import get_config
+    from volundr.kernels.quant import engine, quantize_random_linear
+    from volundr.model.kda import KDA
+    from volundr.model.layers import GroupScaled
+
+    cfg = dataclasses.replace(get_config("tiny"), kda=KDAConfig(num_heads=2, head_dim=32,
+                                                                conv_size=4, low_rank_dim=16))
+    torch.manual_seed(seed)
+    layer = KDA(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    layer.o_proj = quantize_random_linear(cfg.hidden_size, 64, 4, 32, "cpu", seed=seed)
+    layer = layer.to(torch.bfloat16)
+    layer.after_load()
+    state0 = torch.randn(3, 2, 32, 32) * 0.3
+    conv0 = torch.randn(3, 3 * 64, 3).to(torch.bfloat16)
+    b = SimpleNamespace(max_q_len=1, slot_ids=torch.tensor([1]), cu_list=[0, 1],
+                        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32))
+    x = torch.randn(1, cfg.hidden_size).to(torch.bfloat16)
+    out = {}
+    for fold in (True, False):
+        layer.state, layer.conv_state = state0.clone(), conv0.clone()
+        no_norm = mock.patch.object(ops, "rms_norm_gated", side_effect=AssertionError("norm"))
+        no_value = mock.patch.object(GroupScaled, "value", side_effect=AssertionError("value"))
+        with (mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name)),
+              mock.patch.object(engine, "GATED_NORM_FOLD", fold)):
+            if fold:
+                with no_norm, no_value:
+                    y = layer(x, b)
+            else:
+                y = layer(x, b)
+        out[fold] = (y, layer.state, layer.conv_state)
+    (y1, s1, c1), (y0, s0, c0) = out[True], out[False]
+    assert torch.equal(c1, c0) and _rel(s1, s0) < 1e-6, "states"
+    assert y1.shape == (1, cfg.hidden_size) and _rel(y1, y0) < 2e-2, _rel(y1, y0)
 
 
 def check_prenorm_module(bits: int, device: str = "cpu", k: int = 512,
@@ -378,10 +425,11 @@ def run_cpu(group: str) -> None:
             check_tc_norm(64, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
             check_tc_norm(64, 640, bits, 128, "cpu", _seed(), reps=1, splits=1)
             check_tc_norm(200, 512, bits, 128, "cpu", _seed(), reps=1, splits=2)
-            # KDA's gated output norm in the x loads: split-K, a ragged N and last set (5
-            # groups), early weights
-            check_tc_gnorm(64, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
-            check_tc_gnorm(200, 640, bits, 128, "cpu", _seed(), reps=1, splits=1, early=1)
+            # per-group scales (KDA's gated output norm): split-K, a ragged N and last set (5
+            # groups), early weights, one partial per group
+            check_tc_gscale(64, 1024, bits, 128, "cpu", _seed(), reps=2, splits=2)
+            check_tc_gscale(200, 640, bits, 128, "cpu", _seed(), reps=1, splits=1, early=1)
+            check_tc_gscale(64, 512, bits, 128, "cpu", _seed(), parts=1, reps=1)
             if bits != 3:
                 check_tc(64, 256, bits, 64, "cpu", _seed(), reps=2)
             if bits == 4:  # 18 splits: summed in two chunks (sum_splits), the second ragged
@@ -397,8 +445,10 @@ def run_cpu(group: str) -> None:
             check_tc_norm(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
             check_prenorm_module(bits)
             engine.GATED_NORM_FOLD = True  # (off by default until measured on the GPU)
-            check_tc_gnorm(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
-            check_gated_module(bits)
+            check_tc_gscale(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
+            check_scaled_module(bits)
+            if bits == 4:  # (a group of 32 = the head dim needs 4 bits)
+                check_kda_layer_fold(_seed())
         return
     for bits in (2, 3, 4):
         if group == "gemv":
@@ -913,19 +963,18 @@ def test_cuda_gemv_tc_early_weights(bits):
 
 @gpu
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_cuda_gated_norm_folded_into_gemv(bits, monkeypatch):
-    """KDA's gated output norm folded into gemv_tc at its o_proj shape (5120 x 5120, 40 heads
-    of 128), the engine's config, split-K and one split, early weights and not, through
-    engine.quant_matmul_gated_norm: == the gated norm then naive; and the GatedNorm module
-    path skips the norm kernel."""
+def test_cuda_gemv_tc_group_scales(bits, monkeypatch):
+    """Per-group scales (KDA's gated output norm folded into o_proj) at its shape (5120 x 5120,
+    40 heads of 128): the engine's config, split-K and one split, early weights and not, one
+    partial per group, through engine.quant_matmul_group_scaled, the module path."""
     from volundr.kernels.quant import engine
 
     monkeypatch.setattr(engine, "GATED_NORM_FOLD", True)
-    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), **engine.GEMV_TC_CONFIG[bits])
-    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), reps=2, splits=1, early=1)
-    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), reps=1, splits=3, early=0)
-    check_tc_gnorm(5120, 5120, bits, 128, "cuda", _seed(), via_engine=True)
-    check_gated_module(bits, "cuda", 40, 5120)
+    check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), **engine.GEMV_TC_CONFIG[bits])
+    check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), reps=2, splits=1, early=1)
+    check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), parts=1, reps=1, splits=3, early=0)
+    check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), parts=4, via_engine=True)
+    check_scaled_module(bits, "cuda", 40, 5120)
 
 
 @gpu

@@ -16,7 +16,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear, GatedNorm, GroupedLinear, PreNorm
+from volundr.model.layers import FusedLinear, GroupedLinear, GroupScaled, PreNorm
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -90,15 +90,20 @@ class KDA(nn.Module):
         beta = xs[:, 2 * r:]
         # decay and beta stay logits: the KDA kernels apply softplus / exp / sigmoid
         if b.max_q_len == 1:  # decode: conv and recurrence in one kernel on CUDA
+            # the gated output norm folded into that kernel and o_proj's GEMV where o_proj can
+            fold = getattr(self.o_proj, "folds_gated_norm", None)
+            gated = (g_out, self.o_norm.weight) if fold is not None and fold(qkv, K) else None
             o = ops.kda_decode(qkv, self.qkv_conv_weight, self.conv_state, f, beta, self.state,
                                b.slot_ids, b.cu_seqlens, b.cu_list, K ** -0.5, self.A_log,
-                               self.dt_bias)
+                               self.dt_bias, gated)
+            if gated is not None:  # o w sigmoid(gate), and each head's sums of squares
+                u, ss = o
+                return self.o_proj(GroupScaled(u.reshape(T, H * K), ss, self.eps))
         else:
             qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
                                   b.cu_seqlens, activation="silu")  # [T, 3 * H * K]
             q, k, v = qkv.view(T, 3, H, K).unbind(1)
             o = ops.kda_mixer(q, k, v, f, beta, self.A_log, self.dt_bias, self.state,
                               b.slot_ids, b.cu_seqlens, b.cu_list, scale=K ** -0.5)  # [T, H, V]
-        # the gated output norm, which a mixed-bit o_proj may fold into its GEMV
-        o = GatedNorm(o, self.o_norm.weight, g_out, self.eps)
-        return self.o_proj(o if getattr(self.o_proj, "takes_norms", False) else o.value())
+        o = ops.rms_norm_gated(o, self.o_norm.weight, g_out, self.eps)
+        return self.o_proj(o.reshape(T, H * K))

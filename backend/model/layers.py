@@ -42,25 +42,29 @@ class PreNorm:
         return self._value
 
 
-class GatedNorm:
-    """KDA's output RMSNorm(x) * sigmoid(gate) over each head, flattened to [T, H * K], not
-    computed yet: the mixed-bit o_proj may fold it into its GEMV at M = 1
-    (`QuantLinear.forward`), saving the norm's launch; anything else calls `value()`."""
+class GroupScaled:
+    """x [T, H * D] whose head h (D channels) is still to be multiplied by
+    rsqrt(sum(ss[:, h]) / D + eps), ss [T, H, P] fp32 partial sums of squares: KDA's gated
+    output norm with its per-head RMS scale left to o_proj, which folds it into its GEMV at
+    M = 1 (`QuantLinear.forward`); anything else calls `value()`."""
 
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
-        self.x, self.weight, self.gate, self.eps = x, weight, gate, eps  # x, gate [T, H, K]
+    def __init__(self, x: torch.Tensor, ss: torch.Tensor, eps: float):
+        self.x, self.ss, self.eps = x, ss, eps
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.x.shape[0], self.x.shape[1] * self.x.shape[2]))
+        return self.x.shape
 
     def value(self) -> torch.Tensor:
-        return ops.rms_norm_gated(self.x, self.weight, self.gate, self.eps).reshape(self.shape)
+        t, hd = self.x.shape
+        h = self.ss.shape[1]
+        r = torch.rsqrt(self.ss.sum(-1) / (hd // h) + self.eps)  # [T, H]
+        return (self.x.view(t, h, -1).float() * r[..., None]).to(self.x.dtype).view(t, hd)
 
 
 def materialize(x):
-    """x itself, or the value of a PreNorm or GatedNorm."""
-    return x.value() if isinstance(x, (PreNorm, GatedNorm)) else x
+    """x itself, or the value of a PreNorm or GroupScaled."""
+    return x.value() if isinstance(x, (PreNorm, GroupScaled)) else x
 
 
 class FusedLinear(nn.Module):

@@ -30,7 +30,7 @@ from volundr.kernels.quant.pack import (
     to_kernel_layout,
     unpack_bitstream,
 )
-from volundr.model.layers import GatedNorm, PreNorm
+from volundr.model.layers import GroupScaled, PreNorm
 from volundr.model.parallel import TP, ParallelLMHead, RowParallelLinear, all_reduce
 from volundr.model.weights import expected_tensors
 
@@ -43,7 +43,7 @@ class QuantLinear(nn.Module):
     `parallel` keeps the tensor-parallel semantics of the module it replaces: "row" all-reduces
     the partial output (RowParallelLinear), "lm_head" gathers the vocab shards on rank 0."""
 
-    takes_norms = True  # forward takes a PreNorm / GatedNorm (and may fold it)
+    takes_norms = True  # forward takes a PreNorm / GroupScaled (and may fold it)
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
                  device: torch.device | str | None = None, parallel: str | None = None,
@@ -118,15 +118,16 @@ class QuantLinear(nn.Module):
         return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,
                                         self.in_features, dtype)
 
-    def forward(self, x: torch.Tensor | PreNorm | GatedNorm,
+    def forward(self, x: torch.Tensor | PreNorm | GroupScaled,
                 swiglu: bool = False) -> torch.Tensor | None:
         """x [..., in]; swiglu: x [..., 2 in] holds (gate, up) and the input is SiLU(gate) * up
         (on CUDA fused into the decode kernels' x loads: the MLP's SwiGLU launch saved).
         x a PreNorm [T, in]: where the kernels can, the residual add and RMSNorm run inside
         the matmul (ops-level `quant_matmul_rms_norm`); otherwise the norm runs first. x a
-        GatedNorm (KDA's output norm): likewise at M = 1 (`quant_matmul_gated_norm`)."""
-        if isinstance(x, (PreNorm, GatedNorm)):
-            y = self._forward_prenorm(x) if isinstance(x, PreNorm) else self._forward_gated(x)
+        GroupScaled (KDA's gated output norm, per-head scale pending): likewise at M = 1
+        (`quant_matmul_group_scaled`)."""
+        if isinstance(x, (PreNorm, GroupScaled)):
+            y = self._forward_prenorm(x) if isinstance(x, PreNorm) else self._forward_scaled(x)
             if y is not None:
                 return self._finish(y)
             x = x.value()
@@ -159,14 +160,22 @@ class QuantLinear(nn.Module):
         y, p.residual_out = r
         return y
 
-    def _forward_gated(self, g: GatedNorm) -> torch.Tensor | None:
-        """y of the folded gated norm (at M = 1), or None where no kernel folds it."""
+    def folds_gated_norm(self, like: torch.Tensor, head_dim: int) -> bool:
+        """Whether forward folds a GroupScaled input at this call (KDA asks before its decode
+        kernel, which then writes what the fold reads); like: any tensor with the call's
+        rows, dtype and device."""
+        fast = ops._fast(like, "quant")
+        return (fast is not None and self.qa.device == like.device
+                and fast.folds_group_scale(like.shape[0], self.in_features, self.out_features,
+                                           like.dtype, self.bits, self.group_size, head_dim))
+
+    def _forward_scaled(self, g: GroupScaled) -> torch.Tensor | None:
+        """y of the folded per-head scale (at M = 1), or None where no kernel folds it."""
         fast = ops._fast(g.x, "quant")
         if fast is None or g.x.shape[0] != 1 or self.qa.device != g.x.device:
             return None
-        return fast.quant_matmul_gated_norm(g.x.reshape(g.shape), g.gate.reshape(g.shape),
-                                            g.weight, g.eps, self.qa, self.qb, self.sz,
-                                            self.bits, self.group_size)
+        return fast.quant_matmul_group_scaled(g.x, g.ss[0], g.eps, self.qa, self.qb, self.sz,
+                                              self.bits, self.group_size)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor | None:
         """The tensor-parallel tail: a row-parallel layer all-reduces, a vocab-parallel lm_head

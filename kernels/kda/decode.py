@@ -91,10 +91,15 @@ def _kda_decode_kernel(
     s_xt, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    z=None, nw=None, ss=None, s_zt=0, GATED: tl.constexpr = False,
 ):
     """x [T, C] raw q|k|v (row stride s_xt), C = 2HK + HV; cw [C, W]; cs [slots, C, W - 1];
     g [T, H, K] and beta [T, H] logits (strides s_g*, s_b*); o [T, H, V]; h [slots, H, K, V] fp32;
-    slot_ids [T]; cnt [>= T * H] int32 zeros. Grid (cdiv(V, BV), T * H)."""
+    slot_ids [T]; cnt [>= T * H] int32 zeros. Grid (cdiv(V, BV), T * H).
+    GATED: o = o' nw sigmoid(z) (o' the output rounded to o's dtype; z [T, H, V] the output
+    gate logits, token stride s_zt; nw [V] the output norm's weight) and ss [T, H, NV] fp32 =
+    each program's sum of o'^2: the head's RMSNorm is then one scale per head, which o_proj's
+    GEMV applies to the head's sums (gemv_tc `gscale`) instead of a norm kernel."""
     pdl.trigger()  # a PDL-launched successor may start
     pdl.wait()  # PDL: inputs come from the kernel before
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -121,9 +126,14 @@ def _kda_decode_kernel(
     b_a = tl.load(A_log + i_h).to(tl.float32)
     if HAS_DT_BIAS:
         b_g += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if GATED:  # the output gate and norm weight of this program's v channels
+        b_z = tl.load(z + i_t * s_zt + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_nw = tl.load(nw + o_v, mask=m_v, other=0.0).to(tl.float32)
     p_o = o + (i_t * H + i_h) * V + o_v
     if slot < 0:  # padding row (a CUDA-graph batch larger than the live one): no state, o = 0
         tl.store(p_o, tl.zeros([BV], dtype=o.dtype.element_ty), mask=m_v)
+        if GATED:
+            tl.store(ss + i_nh * NV + i_v, 0.0)
         return
     p_h = h + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     b_h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
@@ -148,6 +158,10 @@ def _kda_decode_kernel(
 
     b_h, b_o = kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k, scale, K,
                           True, False, False, True)
+    if GATED:
+        b_o = b_o.to(o.dtype.element_ty).to(tl.float32)  # the norm reads the rounded o
+        tl.store(ss + i_nh * NV + i_v, tl.sum(tl.where(m_v, b_o * b_o, 0.0), axis=0))
+        b_o = b_o * b_nw * tl.sigmoid(b_z)
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_v)
     tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_h)
     if done == NV - 1:
@@ -181,7 +195,8 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
                g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, BV: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, gated: tuple | None = None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One decode step of a KDA layer (one token per sequence): conv + SiLU over the raw q|k|v
     projections with each sequence's carried tail, then the KDA step, in one launch.
 
@@ -193,6 +208,10 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
     dim contiguous); state [slots, H, K, V] fp32, row slot_ids[n] updated in place; slot_ids [T]
     (negative: a padding row, left alone, o = 0). q and k are L2-normed in the kernel.
     Returns o [T, H, V] in qkv.dtype (the math of `conv.causal_conv1d` + `fused_recurrent_kda`).
+    gated = (z [T, H, V] output gate logits (last dim contiguous, heads V apart), norm weight
+    [V]): returns (o' nw sigmoid(z), ss [T, H, NV] fp32), ss = sums of o'^2 over the NV blocks
+    of V of each head: RMSNorm(o') nw sigmoid(z) = that times rsqrt(sum(ss) / V + eps) per
+    head (KDA's gated output norm, its per-head scale left to o_proj's GEMV).
     """
     T, C = qkv.shape
     _, H, K = g.shape
@@ -215,15 +234,24 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
         g = g.contiguous()
     conv_weight = conv_weight.contiguous()  # a no-op for the engine's (built once, contiguous)
     o = out if out is not None else qkv.new_empty(T, H, V)
-    if T == 0:
-        return o
     BK = triton.next_power_of_2(K)
     BV = min(BV or CONFIG["BV"], triton.next_power_of_2(V))
+    NV = triton.cdiv(V, BV)
     num_warps = num_warps or CONFIG["num_warps"]
+    gkw, ss = {}, None
+    if gated is not None:
+        z, nw = gated
+        if z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V or nw.numel() != V:
+            raise ValueError("gated: z [T, H, V] with heads V apart, unit channel stride; "
+                             "norm weight [V]")
+        ss = torch.empty(T, H, NV, dtype=torch.float32, device=qkv.device)
+        gkw = dict(z=z, nw=nw.contiguous(), ss=ss, s_zt=z.stride(0), GATED=True)
+    if T == 0:
+        return o if ss is None else (o, ss)
     cnt = _counters(qkv.device, T * H)
-    _kda_decode_kernel[(triton.cdiv(V, BV), T * H)](
+    _kda_decode_kernel[(NV, T * H)](
         qkv, conv_weight, conv_state, g, beta, o, state, slot_ids, cnt, A_log, dt_bias, scale,
         qkv.stride(0), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         H=H, K=K, V=V, BK=BK, BV=BV, W=W,
-        HAS_DT_BIAS=dt_bias is not None, num_warps=num_warps, launch_pdl=pdl.ON.value)
-    return o
+        HAS_DT_BIAS=dt_bias is not None, num_warps=num_warps, launch_pdl=pdl.ON.value, **gkw)
+    return o if ss is None else (o, ss)

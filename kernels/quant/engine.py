@@ -65,10 +65,12 @@ PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # program's prologue adds a dependent trip through memory, and the GEMVs are latency-bound,
 # ~6.5 us fixed per call). Opt-in with VOLUNDR_NORM_FOLD=1.
 NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
-# KDA's gated output norm (RMSNorm over each head, times sigmoid(gate)) folded into its o_proj
-# GEMV at M = 1 (gemv_tc `gnorm`: the per-head 1 / rms scales each group's sums, no prologue):
-# 54 norm launches per Volundr-32B token less. Off until measured on the GPU:
-# VOLUNDR_GATED_NORM_FOLD=1 turns it on.
+# KDA's gated output norm (RMSNorm over each head, times sigmoid(gate)) folded into the KDA
+# decode kernel (o w sigmoid(gate) and per-head sums of squares) and its o_proj GEMV at M = 1
+# (gemv_tc `gscale`: each head's 1 / rms scales its group's sums): 54 norm launches per
+# Volundr-32B token less. Off until measured on the GPU: VOLUNDR_GATED_NORM_FOLD=1 turns it
+# on. (Run 22 measured a first form, the gate and the sums of squares computed in o_proj's x
+# loads: right, but o_proj took ~12 us more per call, graph 6.41 -> 6.99 ms.)
 GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
@@ -130,20 +132,27 @@ def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
     return y, h
 
 
-def quant_matmul_gated_norm(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor,
-                            eps: float, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
-                            bits: int, group_size: int) -> torch.Tensor | None:
-    """y = (RMSNorm(x) * sigmoid(gate) over each head of group_size channels, norm weight
-    [group_size]) @ W^T in one launch, for x, gate [1, K]; None where no kernel folds it
-    (GATED_NORM_FOLD off, M > 1, head dim != group size, a shape or dtype the tensor-core GEMV
-    does not take): the caller then runs the gated norm kernel first."""
-    if not (GATED_NORM_FOLD and norm_weight.numel() == group_size
-            and _takes_gemv_tc(x, x.shape[1], qa.shape[1], bits, group_size)
-            and x.is_contiguous() and gate.shape == x.shape and gate.stride(-1) == 1
-            and gate.dtype == norm_weight.dtype == x.dtype):
+def folds_group_scale(m: int, k: int, n: int, dtype: torch.dtype, bits: int, group_size: int,
+                      head_dim: int) -> bool:
+    """Whether `quant_matmul_group_scaled` takes an x [m, k] of `dtype` for this layer (N = n):
+    GATED_NORM_FOLD on, head dim = group size, and what the tensor-core GEMV takes (M = 1)."""
+    x = torch.empty(m, k, dtype=dtype, device="meta")
+    return GATED_NORM_FOLD and head_dim == group_size and _takes_gemv_tc(x, k, n, bits,
+                                                                          group_size)
+
+
+def quant_matmul_group_scaled(x: torch.Tensor, gs: torch.Tensor, eps: float, qa: torch.Tensor,
+                              qb: torch.Tensor, sz: torch.Tensor, bits: int,
+                              group_size: int) -> torch.Tensor | None:
+    """y = sum over groups g of rsqrt(sum(gs[g]) / G + eps) x_g @ W_g^T in one launch, for
+    x [1, K] and gs [K / G, P] fp32 partial sums of squares: KDA's gated output norm, its
+    per-head scale folded into o_proj (x = o w sigmoid(gate) and gs from the KDA decode
+    kernel); None where the GEMV does not take it (`folds_group_scale`)."""
+    if not (folds_group_scale(x.shape[0], x.shape[1], qa.shape[1], x.dtype, bits, group_size,
+                              group_size) and x.is_contiguous() and gs.is_contiguous()):
         return None
-    return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size,
-                           gnorm=(gate, norm_weight.contiguous(), eps), **GEMV_TC_CONFIG[bits])
+    return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, gscale=(gs, eps),
+                           **GEMV_TC_CONFIG[bits])
 
 
 def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,

@@ -304,17 +304,6 @@ def _ldx(ptr, up_off, mask, MASKED: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _ldx_gated(x_ptr, g_ptr, nw_ptr, off, w_off, mask, MASKED: tl.constexpr):
-    """GNORM's x load: u = x w sigmoid(gate) in fp32, rounded to x's dtype (the group's
-    1 / rms(x) is applied to its sums later), and x^2 for that rms. off: element offsets of x
-    and gate; w_off: of the norm weight (the position in the group). Masked elements: 0."""
-    x = _ld(x_ptr + off, mask, MASKED).to(tl.float32)
-    g = _ld(g_ptr + off, mask, MASKED).to(tl.float32)
-    w = _ld(nw_ptr + w_off, mask, MASKED).to(tl.float32)
-    return (x * w * tl.sigmoid(g)).to(x_ptr.dtype.element_ty), x * x
-
-
-@triton.jit
 def _norm_prologue(x_ptr, r_ptr, w_ptr, h_ptr, xs_ptr, set0, set1, K, write, G: tl.constexpr):
     """NORM, over this program's K range (sets set0 .. set1 - 1 of 4 groups): v = x + r rounded
     to x's dtype (as the norm kernel rounds the residual add), x' = v w into the scratch xs
@@ -404,7 +393,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
                    NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                   EARLY_W: tl.constexpr = 0, g_ptr=None, GNORM: tl.constexpr = False):
+                   EARLY_W: tl.constexpr = 0, gs_ptr=None, GSCALE: tl.constexpr = False,
+                   NPART: tl.constexpr = 1):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -416,11 +406,10 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     top of the set, before `griddepcontrol.wait` (weights are never written by an earlier
     kernel), so a program made resident while the kernel before drains has its first HBM trip
     under way, and e blocks of loads are in flight at once; later sets wait again (a no-op).
-    GNORM: y = (RMSNorm(x) sigmoid(gate) per group of G channels, norm weight nw [G]) W^T, KDA's
-    gated output norm over each head (head dim = G) folded into its o_proj: the 1 / rms of a
-    group is one scalar, so the mma runs on u = x w sigmoid(gate) (in the x loads, like SWIGLU)
-    and each group's sums are scaled by it; the group's sum of squares comes from the x values
-    the lanes load anyway (a program holds whole groups: no split-K partials needed)."""
+    GSCALE: group g's sums scaled by rsqrt(sum_i gs[g, i] / G + eps), gs [num_groups, NPART]
+    fp32 partial sums of squares: KDA's gated output norm (per head, head dim = G) folded into
+    its o_proj, x = o w sigmoid(gate) and gs written by the KDA decode kernel (a program holds
+    whole groups: nothing to combine across programs)."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -470,7 +459,6 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             xmask = ok & (q4 >= 0)
         d = tl.zeros([4, Q, L, 4], dtype=tl.float32)
         xb = tl.zeros([4, Q, 1, 4], dtype=tl.float32)
-        sq = tl.zeros([4, Q, 1, 4], dtype=tl.float32)  # GNORM: x^2 of the lane's x loads
         xsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         bsum = tl.zeros([4, Q, 1, 1], dtype=tl.float32)
         xo = grp * G + j4 + 0 * q4  # [4, Q, 1, 4]: element j4 = block row
@@ -482,19 +470,10 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
-                if GNORM:  # position in the group: the norm weight's index
-                    xlo, sql = _ldx_gated(x_ptr, g_ptr, nw_ptr, xo + p * WA + blk * 4,
-                                          xo - grp * G + p * WA + blk * 4, xmask,
-                                          USE_ASM or not EVEN)
-                    xhi, sqh = _ldx_gated(x_ptr, g_ptr, nw_ptr, xo + (p + NP) * WA + blk * 4,
-                                          xo - grp * G + (p + NP) * WA + blk * 4, xmask,
-                                          USE_ASM or not EVEN)
-                    sq += sql + sqh
-                else:
-                    xlo = _ldx(x_ptr + xo + p * WA + blk * 4, up_off, xmask,
-                               USE_ASM or not EVEN, SWIGLU)
-                    xhi = _ldx(x_ptr + xo + (p + NP) * WA + blk * 4, up_off, xmask,
-                               USE_ASM or not EVEN, SWIGLU)
+                xlo = _ldx(x_ptr + xo + p * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN,
+                           SWIGLU)
+                xhi = _ldx(x_ptr + xo + (p + NP) * WA + blk * 4, up_off, xmask,
+                           USE_ASM or not EVEN, SWIGLU)
                 if USE_ASM:
                     pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
                                                    dtype=tl.int32, is_pure=True, pack=2)
@@ -537,11 +516,11 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         sc = (szw << 16).to(tl.float32, bitcast=True)
         zr = (szw & -65536).to(tl.float32, bitcast=True)
         # d = B + sum q x over the lane's group; masked groups: s = 0
-        if GNORM:
-            # quad 2c holds all G of group c's x (quads 2c, 2c + 1 load them in the asm
-            # path, every quad in the interpreter's): one copy, summed over its lanes
-            ssq = tl.sum(tl.where(q4 == 2 * c4, sq, 0.0), axis=3, keep_dims=True)
-            sc = sc * tl.rsqrt(tl.sum(ssq, axis=1, keep_dims=True) / G + eps)
+        if GSCALE:  # the lane's group's partial sums of squares (masked groups: s = 0)
+            ssq = tl.zeros([4, 1, 1, 1], dtype=tl.float32)
+            for i in tl.static_range(NPART):
+                ssq += _ld(gs_ptr + grp * NPART + i, ok, not EVEN)
+            sc = sc * tl.rsqrt(ssq / G + eps)
         acc += sc * (d - (bsum + zr * xsum))
     if EARLY:  # every path waits before its stores and atomics (a no-op after the loop's)
         pdl.wait()
@@ -607,7 +586,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
             norm: tuple | None = None, stages: int = 1,
-            early: bool | int | None = None, gnorm: tuple | None = None) -> torch.Tensor:
+            early: bool | int | None = None, gscale: tuple | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -627,15 +606,15 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     kernel bench of run 14 had 1 block 3-bit 9-20% faster and 4-bit 1-6%, 2-bit 1-6% slower
     (spills under its cap); in the engine, run 15, 3-bit lost, 4-bit won; run 19: 2 or 4
     blocks lost at every engine shape).
-    gnorm = (gate [1, K], weight [G], eps): y = (RMSNorm(x) sigmoid(gate) over each group of
-    G channels, that norm weight) @ W^T (KDA's gated output norm over its heads, head dim G,
-    folded into o_proj: a launch less per KDA layer); bf16 with unit stride."""
+    gscale = (gs [num_groups, P] fp32, eps): group g's contribution times rsqrt(sum(gs[g]) / G
+    + eps) (KDA's gated output norm over its heads, head dim G, folded into o_proj with x = o w
+    sigmoid(gate) and gs from the KDA decode kernel: a norm launch less per KDA layer)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
     assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
-    assert (swiglu, norm is not None, gnorm is not None).count(True) <= 1, \
-        "swiglu, norm and gnorm exclude each other"
+    assert (swiglu, norm is not None, gscale is not None).count(True) <= 1, \
+        "swiglu, norm and gscale exclude each other"
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
     num_groups = k // group_size
@@ -658,12 +637,11 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         ss = torch.empty(ns * n_tiles, dtype=torch.float32, device=x.device)
         nkw = dict(r_ptr=res, nw_ptr=w, h_ptr=h, xs_ptr=torch.empty_like(x), ss_ptr=ss,
                    eps=float(eps), NORM=True)
-    if gnorm is not None:
-        gate, w, eps = gnorm
-        assert (gate.dtype == w.dtype == x.dtype and gate.shape == x.shape and gate.stride(1) == 1
-                and w.is_contiguous() and w.numel() == group_size), \
-            "gnorm: gate like x, weight [group_size], x's dtype, unit stride"
-        nkw = dict(g_ptr=gate, nw_ptr=w, eps=float(eps), GNORM=True)
+    if gscale is not None:
+        gs, eps = gscale
+        assert (gs.dtype == torch.float32 and gs.is_contiguous() and gs.dim() == 2
+                and gs.shape[0] == num_groups), "gscale: gs [num_groups, P] fp32, contiguous"
+        nkw = dict(gs_ptr=gs, eps=float(eps), GSCALE=True, NPART=gs.shape[1])
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
