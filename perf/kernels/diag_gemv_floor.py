@@ -20,6 +20,10 @@ program, warps, programs per SM): which grid can stream these shapes near the co
 --tiled: the same streaming against a layout with each (n tile, set) contiguous (two orders),
 same bytes: whether the kernel layout's access pattern (a warp's 128-bit loads hit 4 rows of
 128 bytes, N words apart) costs bandwidth.
+--l2: gemv_tc (the engine's config) and the load / load+reduce floors reading the same layer at
+every launch (L2-resident where it fits in the H200's ~50 MB: the o_proj and 2/3-bit down
+shapes) against rotating copies from HBM: what a call costs without HBM, i.e. its launch,
+arithmetic and latency chain, and how much of it the loads alone explain.
 
 Differences between rows attribute the fixed cost: launch, split-K round trips, the streaming
 itself, and the dequantise + mma work. A timing diagnosis, not a test: the floor kernels'
@@ -220,7 +224,12 @@ def run_shape(n: int, k: int, bits: int, sweep: bool | str) -> list[dict]:
         stream_tiled_call(layers[c], n, k, bits, bn, nw, w, sm)
 
     f = functools.partial
-    if sweep == "tiled":  # 15680 = 245 x 64: the tiled kernel streams its whole 64-row tiles
+    if sweep == "l2":  # the same layer at every launch: L2-resident where it fits (~50 MB)
+        variants = {"gemv_tc": f(tc, early=None), "load": f(fl, mode="load"),
+                    "gemv_tc l2": lambda c: tc(0, None), "load l2": lambda c: fl(0, "load"),
+                    "load+reduce l2": lambda c: fl(0, "load+reduce"),
+                    "empty": f(fl, mode="empty")}
+    elif sweep == "tiled":  # 15680 = 245 x 64: the tiled kernel streams its whole 64-row tiles
         variants = {}
         for bn, nw, w in TILED:
             if n % bn:
@@ -255,8 +264,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="streaming alone over SWEEP's grids")
     ap.add_argument("--tiled", action="store_true",
                     help="streaming: the weight layout against tile-contiguous ones")
+    ap.add_argument("--l2", action="store_true",
+                    help="gemv_tc and the floors with the weights L2-resident vs from HBM")
     args = ap.parse_args(argv)
-    mode = "tiled" if args.tiled else args.sweep
+    mode = "tiled" if args.tiled else "l2" if args.l2 else args.sweep
     rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, mode)]
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
