@@ -223,7 +223,7 @@ TC_CFGS = [dict(engine=True),
            dict(engine=True, reps=1, waves=48.0)]
 SMOKE_SHAPES = [(256, 512), (96, 640)]
 # the engine's own fused shapes too: KDA's six projections of x (padded), the MLP's gate_up;
-# and Engram's k / v projections (K = 2048: the FMA path below TC_MIN_DIM)
+# and Engram's k / v projections (K = 2048: on the tensor cores since TC_MIN_DIM 2048, run 23)
 M1_SHAPES = SHAPES + [(15680, 5120), (34816, 5120), (5120, 2048)]
 
 
