@@ -43,8 +43,6 @@ class QuantLinear(nn.Module):
     `parallel` keeps the tensor-parallel semantics of the module it replaces: "row" all-reduces
     the partial output (RowParallelLinear), "lm_head" gathers the vocab shards on rank 0."""
 
-    takes_norms = True  # forward takes a PreNorm / GroupScaled (and may fold it)
-
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
                  device: torch.device | str | None = None, parallel: str | None = None,
                  tp: TP = TP()):
