@@ -13,7 +13,9 @@ step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit 
 default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores (the
 default now, also without a suffix); +fold = the residual add + RMSNorm folded into the batch-1
 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its o_proj GEMV
-or not (engine.GATED_NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off;
+or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm in the
+output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
+(engine.RESIDUAL_NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off;
 after its main loop is the default since run 15), +noearly = its first weights of each set
 loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the default
 since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
@@ -394,7 +396,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
-                qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD)
+                qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -402,6 +404,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.NORM_FOLD = sfx == "fold"
         elif sfx in ("gfold", "nogfold"):  # KDA's gated norm in o_proj's GEMV / not
             qengine.GATED_NORM_FOLD = sfx == "gfold"
+        elif sfx in ("rfold", "norfold"):  # norms in the output GEMVs' epilogues / not
+            qengine.RESIDUAL_NORM_FOLD = sfx == "rfold"
         elif sfx in ("late", "top"):
             pdl.LATE_TRIGGER = sfx == "late"
         elif sfx in ("early", "noearly"):  # 1 block at 3 and 4 bits / none
@@ -424,14 +428,14 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
-                             "gfold, nogfold, early, noearly, e<bits:blocks/...>, rN, wN, uncap, "
-                             "tcminN, sN)")
+                             "gfold, nogfold, rfold, norfold, early, noearly, "
+                             "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
-         qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD) = defaults
+         qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:

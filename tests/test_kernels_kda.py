@@ -490,7 +490,7 @@ def test_gpu_kda_decode(N, cfg):
 def test_gpu_gated_norm_folded_into_o_proj(bits, monkeypatch):
     """Volundr shapes: the KDA decode kernel's gated epilogue (batch 1 and 16 with padding,
     both launch settings) and, at batch 1, its output through a mixed-bit o_proj that folds the
-    per-head scale into its GEMV (the model's decode path with VOLUNDR_GATED_NORM_FOLD=1) ==
+    per-head scale into its GEMV (the model's default decode path) ==
     the gated RMSNorm then the naive matmul; the unfolded GroupScaled value is never made."""
     from unittest import mock
 

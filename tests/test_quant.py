@@ -444,7 +444,7 @@ def run_cpu(group: str) -> None:
             engine.NORM_FOLD = True  # (off by default until measured on the GPU)
             check_tc_norm(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
             check_prenorm_module(bits)
-            engine.GATED_NORM_FOLD = True  # (off by default until measured on the GPU)
+            engine.GATED_NORM_FOLD = True  # (the default; VOLUNDR_GATED_NORM_FOLD=0 is off)
             check_tc_gscale(64, 512, bits, 128, "cpu", _seed(), via_engine=True)
             check_scaled_module(bits)
             if bits == 4:  # (a group of 32 = the head dim needs 4 bits)

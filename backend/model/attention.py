@@ -8,7 +8,7 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear, PreNorm
+from volundr.model.layers import FusedLinear, NextNorm, Normed, PreNorm, out_proj
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear, local_kv_heads
 
 
@@ -33,8 +33,10 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor | PreNorm, b: ForwardBatch) -> torch.Tensor:
-        """x [T, d], or the PreNorm of it that the input projection may fold."""
+    def forward(self, x: torch.Tensor | PreNorm | Normed, b: ForwardBatch,
+                post: NextNorm | None = None):
+        """x [T, d], or the PreNorm / Normed of it that the input projection may fold; with
+        `post`, the output may be the Normed of the next norm (`out_proj`)."""
         T, hd = x.shape[0], self.hd
         q, k, v = self.qkv_proj(x).split([self.h * hd, self.kvh * hd, self.kvh * hd], dim=-1)
         q, k, v = q.view(T, self.h, hd), k.view(T, self.kvh, hd), v.view(T, self.kvh, hd)
@@ -42,4 +44,4 @@ class Attention(nn.Module):
         ops.store_kv(k, v, self.k_cache, self.v_cache, b.slot_mapping)
         o = ops.paged_attention(q, self.k_cache, self.v_cache, b.block_tables, b.cu_seqlens,
                                 b.context_lens, self.scale, b.max_q_len, b.max_context_len)
-        return self.o_proj(o.reshape(T, self.h * self.hd))
+        return out_proj(self.o_proj, o.reshape(T, self.h * self.hd), post)

@@ -16,7 +16,15 @@ from torch import nn
 from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.batch import ForwardBatch
-from volundr.model.layers import FusedLinear, GroupedLinear, GroupScaled, PreNorm
+from volundr.model.layers import (
+    FusedLinear,
+    GroupedLinear,
+    GroupScaled,
+    NextNorm,
+    Normed,
+    PreNorm,
+    out_proj,
+)
 from volundr.model.parallel import TP, ColumnParallelLinear, RowParallelLinear
 
 
@@ -75,8 +83,10 @@ class KDA(nn.Module):
         self.fg_b = GroupedLinear([self.f_b_proj, self.g_b_proj])
         del self.f_b_proj, self.g_b_proj
 
-    def forward(self, x: torch.Tensor | PreNorm, b: ForwardBatch) -> torch.Tensor:
-        """x [T, d], or the PreNorm of it that the input projection may fold."""
+    def forward(self, x: torch.Tensor | PreNorm | Normed, b: ForwardBatch,
+                post: NextNorm | None = None):
+        """x [T, d], or the PreNorm / Normed of it that the input projection may fold; with
+        `post`, the output may be the Normed of the next norm (`out_proj`)."""
         T, H, K = x.shape[0], self.H, self.K
         hk3 = 3 * H * K
         if self.in_proj is not None:
@@ -98,7 +108,8 @@ class KDA(nn.Module):
                                self.dt_bias, gated)
             if gated is not None:  # o w sigmoid(gate), and each head's sums of squares
                 u, ss = o
-                return self.o_proj(GroupScaled(u.reshape(T, H * K), ss, self.eps))
+                return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
+                                post)
         else:
             qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
                                   b.cu_seqlens, activation="silu")  # [T, 3 * H * K]
@@ -106,4 +117,4 @@ class KDA(nn.Module):
             o = ops.kda_mixer(q, k, v, f, beta, self.A_log, self.dt_bias, self.state,
                               b.slot_ids, b.cu_seqlens, b.cu_list, scale=K ** -0.5)  # [T, H, V]
         o = ops.rms_norm_gated(o, self.o_norm.weight, g_out, self.eps)
-        return self.o_proj(o.reshape(T, H * K))
+        return out_proj(self.o_proj, o.reshape(T, H * K), post)

@@ -62,9 +62,58 @@ class GroupScaled:
         return (self.x.view(t, h, -1).float() * r[..., None]).to(self.x.dtype).view(t, hd)
 
 
+class Normed:
+    """RMSNorm(h) of a residual stream h = `residual_out` that a layer's output projection has
+    made (h = y + residual, in its GEMV's epilogue), held as xw = h * weight [T, d] and fp32
+    partial sums of squares ss [T, P], the scale rsqrt(sum(ss) / d + eps) left to the next
+    input projection, which folds it into its GEMV at M = 1 (`QuantLinear.forward`); anything
+    else calls `value()`."""
+
+    def __init__(self, xw: torch.Tensor, ss: torch.Tensor, eps: float,
+                 residual_out: torch.Tensor):
+        self.xw, self.ss, self.eps, self.residual_out = xw, ss, eps, residual_out
+        self._value: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.xw.shape
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            r = torch.rsqrt(self.ss.sum(-1, keepdim=True) / self.xw.shape[-1] + self.eps)
+            self._value = (self.xw.float() * r).to(self.xw.dtype)
+        return self._value
+
+
+class NextNorm:
+    """What a layer's output projection may fold into its epilogue: the residual add and the
+    next RMSNorm `norm`. The residual stream comes from `src` (a PreNorm or Normed: its
+    residual_out, known once the layer's input projection has run; or the tensor itself)."""
+
+    def __init__(self, src, norm: RMSNorm):
+        self.src, self.norm = src, norm
+
+    @property
+    def residual(self) -> torch.Tensor:
+        s = self.src
+        return s.residual_out if isinstance(s, (PreNorm, Normed)) else s
+
+
+def out_proj(linear: nn.Module, x, post: NextNorm | None, swiglu: bool = False):
+    """A layer's output projection linear(x) (swiglu: see QuantLinear.forward). With `post`,
+    where the linear folds them (a mixed-bit GEMV at M = 1, `forward_residual_norm`), the
+    residual add and the next norm too: then a Normed (residual_out = y + residual)."""
+    fold = getattr(linear, "forward_residual_norm", None)
+    if post is not None and fold is not None:
+        y = fold(x, post, swiglu)
+        if y is not None:
+            return y
+    return linear(x, swiglu=True) if swiglu else linear(x)
+
+
 def materialize(x):
-    """x itself, or the value of a PreNorm or GroupScaled."""
-    return x.value() if isinstance(x, (PreNorm, GroupScaled)) else x
+    """x itself, or the value of a PreNorm, GroupScaled or Normed."""
+    return x.value() if isinstance(x, (PreNorm, GroupScaled, Normed)) else x
 
 
 class FusedLinear(nn.Module):
@@ -88,7 +137,7 @@ class FusedLinear(nn.Module):
         self.parts = None if self.fused is not None else nn.ModuleList(mods)
         self.takes_prenorm = isinstance(self.fused, QuantLinear)  # it may fold the norm
 
-    def forward(self, x: torch.Tensor | PreNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PreNorm | Normed) -> torch.Tensor:
         if self.fused is not None:
             return self.fused(x if self.takes_prenorm else materialize(x))
         x = materialize(x)
@@ -147,8 +196,9 @@ class MLP(nn.Module):
         # a mixed-bit down projection takes (gate, up) and applies the SwiGLU itself
         self.swiglu_in_down = isinstance(self.down_proj, QuantLinear)
 
-    def forward(self, x: torch.Tensor | PreNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PreNorm | Normed, post: NextNorm | None = None):
+        """The MLP's output; with `post`, possibly the Normed of the next norm (`out_proj`)."""
         gate_up = self.gate_up_proj(x)
         if self.swiglu_in_down:
-            return self.down_proj(gate_up, swiglu=True)
-        return self.down_proj(ops.swiglu(*gate_up.chunk(2, dim=-1)))
+            return out_proj(self.down_proj, gate_up, post, swiglu=True)
+        return out_proj(self.down_proj, ops.swiglu(*gate_up.chunk(2, dim=-1)), post)

@@ -30,7 +30,7 @@ from volundr.kernels.quant.pack import (
     to_kernel_layout,
     unpack_bitstream,
 )
-from volundr.model.layers import GroupScaled, PreNorm
+from volundr.model.layers import GroupScaled, NextNorm, Normed, PreNorm
 from volundr.model.parallel import TP, ParallelLMHead, RowParallelLinear, all_reduce
 from volundr.model.weights import expected_tensors
 
@@ -116,16 +116,20 @@ class QuantLinear(nn.Module):
         return dequantize_kernel_layout(self.qa, self.qb, self.sz, self.bits, self.group_size,
                                         self.in_features, dtype)
 
-    def forward(self, x: torch.Tensor | PreNorm | GroupScaled,
+    def forward(self, x: torch.Tensor | PreNorm | GroupScaled | Normed,
                 swiglu: bool = False) -> torch.Tensor | None:
         """x [..., in]; swiglu: x [..., 2 in] holds (gate, up) and the input is SiLU(gate) * up
         (on CUDA fused into the decode kernels' x loads: the MLP's SwiGLU launch saved).
         x a PreNorm [T, in]: where the kernels can, the residual add and RMSNorm run inside
         the matmul (ops-level `quant_matmul_rms_norm`); otherwise the norm runs first. x a
         GroupScaled (KDA's gated output norm, per-head scale pending): likewise at M = 1
-        (`quant_matmul_group_scaled`)."""
-        if isinstance(x, (PreNorm, GroupScaled)):
-            y = self._forward_prenorm(x) if isinstance(x, PreNorm) else self._forward_scaled(x)
+        (`quant_matmul_group_scaled`). x a Normed (the previous output projection made h and
+        h w): the norm's 1 / rms scales the GEMV's y (`quant_matmul_rscaled`)."""
+        if isinstance(x, (PreNorm, GroupScaled, Normed)):
+            if isinstance(x, PreNorm):
+                y = self._forward_prenorm(x)
+            else:
+                y = self._forward_scaled(x) if isinstance(x, GroupScaled) else self._rscaled(x)
             if y is not None:
                 return self._finish(y)
             x = x.value()
@@ -174,6 +178,37 @@ class QuantLinear(nn.Module):
             return None
         return fast.quant_matmul_group_scaled(g.x, g.ss[0], g.eps, self.qa, self.qb, self.sz,
                                               self.bits, self.group_size)
+
+    def _rscaled(self, p: Normed) -> torch.Tensor | None:
+        """y of RMSNorm(h) from p's h w and sums of squares (at M = 1), or None."""
+        fast = ops._fast(p.xw, "quant")
+        if fast is None or p.xw.shape[0] != 1 or self.qa.device != p.xw.device:
+            return None
+        return fast.quant_matmul_rscaled(p.xw, p.ss[0], p.eps, self.qa, self.qb, self.sz,
+                                         self.bits, self.group_size)
+
+    def forward_residual_norm(self, x: torch.Tensor | GroupScaled, post: NextNorm,
+                              swiglu: bool = False) -> Normed | None:
+        """As an output projection: y = forward(x, swiglu), then h = y + post.residual and
+        post.norm's h w and sums of squares made in the GEMV's epilogue (at M = 1, one rank),
+        returned as a Normed for the next input projection; None where no kernel does that
+        (the caller then runs `forward`)."""
+        if self.parallel is not None and self.tp.size > 1:  # the all-reduce comes first
+            return None
+        g = x if isinstance(x, GroupScaled) else None
+        xx = x.x if g is not None else x
+        fast = ops._fast(xx, "quant")
+        if (fast is None or xx.dim() != 2 or xx.shape[0] != 1 or self.qa.device != xx.device
+                or (g is not None and not self.folds_gated_norm(xx, self.group_size))):
+            return None
+        norm = post.norm
+        r = fast.quant_matmul_residual_norm(
+            xx, post.residual, norm.weight, self.qa, self.qb, self.sz, self.bits,
+            self.group_size, swiglu=swiglu, gscale=None if g is None else (g.ss[0], g.eps))
+        if r is None:
+            return None
+        h, xw, ss = r
+        return Normed(xw, ss, norm.eps, h)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor | None:
         """The tensor-parallel tail: a row-parallel layer all-reduces, a vocab-parallel lm_head

@@ -21,7 +21,7 @@ from volundr.model.attention import Attention
 from volundr.model.batch import ForwardBatch
 from volundr.model.engram import Engram, pinned_tables
 from volundr.model.kda import KDA
-from volundr.model.layers import MLP, PreNorm, RMSNorm
+from volundr.model.layers import MLP, NextNorm, Normed, PreNorm, RMSNorm
 from volundr.model.parallel import TP, ParallelLMHead
 
 
@@ -38,27 +38,48 @@ class DecoderLayer(nn.Module):
         self.engram = Engram(cfg) if engram else None  # replicated on every rank
 
     def forward(self, h: torch.Tensor, b: ForwardBatch, layer_idx: int | None = None,
-                delta: torch.Tensor | None = None):
+                delta: torch.Tensor | Normed | None = None, next_norm: RMSNorm | None = None):
         """The residual stream is h + delta (delta: the previous layer's MLP output, or None):
         the add happens inside this layer's first norm, not as a separate kernel, and each
         norm is handed on as a PreNorm, which the projection reading it may fold into its own
-        matmul (the mixed-bit GEMV at batch 1 with VOLUNDR_NORM_FOLD=1). Returns the (h, delta)
+        matmul (the mixed-bit GEMV at batch 1 with VOLUNDR_NORM_FOLD=1). Where the previous
+        layer's down projection folded the add and this layer's input norm into its epilogue
+        (VOLUNDR_RESIDUAL_NORM_FOLD=1), delta is that Normed, which holds the stream; likewise
+        the mixer's output projection for the post-attention norm, and the MLP's for
+        `next_norm` (the next layer's input norm; None: not folded). Returns the (h, delta)
         of the next layer."""
-        if delta is not None and self.engram is None:
+        x = None
+        if isinstance(delta, Normed):  # the stream is its residual_out; the norm is ours
+            h, x, delta = delta.residual_out, (delta if self.engram is None else None), None
+        if x is None and delta is not None and self.engram is None:
             x = PreNorm(delta, h, self.input_layernorm)  # h + delta, and its norm
-        else:
+        elif x is None:
             if delta is not None:
                 h = h + delta
             if self.engram is not None:
                 h = self.engram(h, b, b.engram_embeds[layer_idx])
             x = self.input_layernorm(h)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.kda
-        out = mixer(x, b)  # its first projection takes x: it may fold the norm into its matmul
-        if isinstance(x, PreNorm):
+        src = h if isinstance(x, torch.Tensor) else x  # where the stream will be (NextNorm)
+        # its first projection takes x: it may fold the norm into its matmul
+        out = mixer(x, b, post=NextNorm(src, self.post_attention_layernorm))
+        if not isinstance(x, torch.Tensor):
             h = x.residual_out
-        x = PreNorm(out, h, self.post_attention_layernorm)
-        delta = self.mlp(x)
+        x = out if isinstance(out, Normed) else PreNorm(out, h, self.post_attention_layernorm)
+        delta = self.mlp(x, post=None if next_norm is None else NextNorm(x, next_norm))
         return x.residual_out, delta
+
+
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+    """The residual stream after `layers` (DecoderLayers) from h [T, d]."""
+    delta = None
+    for i, layer in enumerate(layers):
+        # the next layer's input norm may go into this layer's down projection (not before an
+        # Engram layer: it adds to the stream before its norm)
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        norm = nxt.input_layernorm if nxt is not None and nxt.engram is None else None
+        h, delta = layer(h, b, i, delta, norm)
+    return h + delta
 
 
 class MTPBlock(nn.Module):
@@ -162,10 +183,7 @@ class VolundrForCausalLM(nn.Module):
         """Hidden states of every token before the final norm, [T, d]. With b.ngram_ids on the
         GPU this is device work only (the decode step's CUDA graph captures all of it)."""
         self.gather_inputs(b)
-        h, delta = b.inputs_embeds, None
-        for i, layer in enumerate(self.model.layers):
-            h, delta = layer(h, b, i, delta)
-        return h + delta
+        return run_layers(self.model.layers, b.inputs_embeds, b)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Final norm + lm_head of selected hidden states [M, d] -> fp32 logits [M, vocab].

@@ -68,10 +68,17 @@ NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
 # KDA's gated output norm (RMSNorm over each head, times sigmoid(gate)) folded into the KDA
 # decode kernel (o w sigmoid(gate) and per-head sums of squares) and its o_proj GEMV at M = 1
 # (gemv_tc `gscale`: each head's 1 / rms scales its group's sums): 54 norm launches per
-# Volundr-32B token less. Off until measured on the GPU: VOLUNDR_GATED_NORM_FOLD=1 turns it
-# on. (Run 22 measured a first form, the gate and the sums of squares computed in o_proj's x
-# loads: right, but o_proj took ~12 us more per call, graph 6.41 -> 6.99 ms.)
-GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "0") == "1"
+# Volundr-32B token less. H200 run 25: decode 149.7 -> 154.1 tok/s, graph 6.417 -> 6.351 ms.
+# VOLUNDR_GATED_NORM_FOLD=0 turns it off. (Run 22 measured a first form, the gate and the sums
+# of squares computed in o_proj's x loads: right, but o_proj took ~12 us more per call.)
+GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "1") == "1"
+# A layer's residual add and the next RMSNorm split between two tensor-core GEMVs at M = 1
+# (the output projection's epilogue writes h, h w and per-tile sums of h^2; the next input
+# projection reads h w and scales its y by 1 / rms): the norm launch at every boundary between
+# an o_proj / down_proj and the next gate_up / in_proj / qkv_proj (~140 per Volundr-32B token)
+# goes, and unlike NORM_FOLD nothing is added before a GEMV's weight loads. Opt-in
+# (VOLUNDR_RESIDUAL_NORM_FOLD=1) until measured on the GPU.
+RESIDUAL_NORM_FOLD = os.environ.get("VOLUNDR_RESIDUAL_NORM_FOLD", "0") == "1"
 FUSED_MAX_M = 128
 
 
@@ -152,6 +159,44 @@ def quant_matmul_group_scaled(x: torch.Tensor, gs: torch.Tensor, eps: float, qa:
                               group_size) and x.is_contiguous() and gs.is_contiguous()):
         return None
     return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, gscale=(gs, eps),
+                           **GEMV_TC_CONFIG[bits])
+
+
+def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                               qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
+                               group_size: int, swiglu: bool = False,
+                               gscale: tuple | None = None) -> tuple | None:
+    """(h, xw, ss) for a layer's output projection y = x @ W^T (x [1, K]; swiglu and gscale as
+    in quant_matmul / quant_matmul_group_scaled) followed by the residual add and the next
+    RMSNorm, in one launch: h = y + residual [1, N] (the next residual stream), xw = h w [1, N]
+    (w = norm_weight) and ss [1, tiles] fp32 sums of h^2, so that RMSNorm(h) = xw rsqrt(sum(ss)
+    / N + eps), which `quant_matmul_rscaled` folds into the next GEMV. None where it does not
+    apply (RESIDUAL_NORM_FOLD off, M > 1, a shape or dtype the tensor-core GEMV does not take)."""
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    n = qa.shape[1]
+    if not (RESIDUAL_NORM_FOLD and _takes_gemv_tc(x, k, n, bits, group_size)
+            and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
+            and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
+        return None
+    cfg = GEMV_TC_CONFIG[bits]
+    h, xw = torch.empty_like(residual), torch.empty_like(residual)
+    ss = torch.empty(1, gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]), dtype=torch.float32,
+                     device=x.device)
+    gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, gscale=gscale,
+                    residual=(residual, norm_weight, xw, ss), **cfg)
+    return h, xw, ss
+
+
+def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: torch.Tensor,
+                         qb: torch.Tensor, sz: torch.Tensor, bits: int,
+                         group_size: int) -> torch.Tensor | None:
+    """y = (xw @ W^T) rsqrt(sum(ss) / K + eps) for xw [1, K] and ss [P] fp32 (what
+    `quant_matmul_residual_norm` wrote: y = RMSNorm(h) @ W^T); None where the GEMV does not
+    take it (then the caller makes RMSNorm(h) itself)."""
+    if not (RESIDUAL_NORM_FOLD and _takes_gemv_tc(xw, xw.shape[1], qa.shape[1], bits, group_size)
+            and xw.is_contiguous() and ss.is_contiguous() and ss.dim() == 1):
+        return None
+    return gemv_tc.gemv_tc(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
                            **GEMV_TC_CONFIG[bits])
 
 

@@ -326,6 +326,23 @@ def _norm_prologue(x_ptr, r_ptr, w_ptr, h_ptr, xs_ptr, set0, set1, K, write, G: 
 
 
 @triton.jit
+def _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n):
+    """RES, on a tile's final sums y [Q, L, 4] (rows n3): h = y rounded to x's dtype plus the
+    residual r, rounded again (the unfolded path's bf16 output, then the norm kernel's add);
+    x' = h w into xs (the next GEMV's x) and this tile's sum of h^2 into ss[pid_n] (the next
+    GEMV adds the tiles' sums in a fixed order: no atomics, no zeroing). Returns h."""
+    dt = xs_ptr.dtype.element_ty
+    r = tl.load(r_ptr + n3, mask=ymask, other=0.0).to(tl.float32)
+    w = tl.load(nw_ptr + n3, mask=ymask, other=0.0).to(tl.float32)
+    h = (y.to(dt).to(tl.float32) + r).to(dt)
+    hf = h.to(tl.float32)
+    tl.store(xs_ptr + n3, (hf * w).to(dt), mask=ymask)
+    sq = tl.sum(tl.sum(tl.where(ymask, hf * hf, 0.0), axis=2), axis=1)
+    tl.store(ss_ptr + pid_n, tl.sum(sq, axis=0))
+    return h
+
+
+@triton.jit
 def _prefetch_rows(ptr, row0, row1, col0, N, PF_ASM: tl.constexpr):
     """L2 prefetch of int32 rows row0 .. row1 - 1, columns col0 .. col0 + BN (PF_ASM's size),
     of a [rows, N] plane: 32 rows per pass, a lane each."""
@@ -394,7 +411,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
                    NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
                    EARLY_W: tl.constexpr = 0, gs_ptr=None, GSCALE: tl.constexpr = False,
-                   NPART: tl.constexpr = 1):
+                   NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
+                   RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -409,7 +427,12 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     GSCALE: group g's sums scaled by rsqrt(sum_i gs[g, i] / G + eps), gs [num_groups, NPART]
     fp32 partial sums of squares: KDA's gated output norm (per head, head dim = G) folded into
     its o_proj, x = o w sigmoid(gate) and gs written by the KDA decode kernel (a program holds
-    whole groups: nothing to combine across programs)."""
+    whole groups: nothing to combine across programs).
+    RES (the residual add and the next RMSNorm in the epilogue; with SWIGLU or GSCALE too):
+    y = h = y + r written, and x' = h nw into xs, tile pid_n's sum of h^2 into ss_ptr[pid_n].
+    RSCALE (that norm's scale, in the GEMV that reads x = xs): y scaled by
+    rsqrt(sum(rs[:n_rs]) / K + eps), rs = the producer's per-tile sums (NRS >= n_rs, a power
+    of two); read early (they come from a finished kernel), used at the end."""
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
@@ -440,6 +463,9 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     if USE_ASM:
         ka = _xsum_a(j4, XS, ASM_KEEP, Q)
     ss = 0.0
+    rsv = tl.zeros([NRS], dtype=tl.float32)
+    if RSCALE and not EARLY:
+        rsv = tl.load(rs_ptr + tl.arange(0, NRS), mask=tl.arange(0, NRS) < n_rs, other=0.0)
     if NORM:
         ss = _norm_prologue(x_ptr, r_ptr, nw_ptr, h_ptr, xs_ptr, set0, set1, num_groups * G,
                             pid_n == 0, G)
@@ -466,6 +492,9 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
             pre = _pre_words(qa_ptr, qb_ptr, grp, n, N, wmask, not EVEN, BITS, WA, PRE)
             pdl.wait()
+            if RSCALE:  # (after the wait: the producer's sums; each set, harmless)
+                rsv = tl.load(rs_ptr + tl.arange(0, NRS), mask=tl.arange(0, NRS) < n_rs,
+                              other=0.0)
         for blk in tl.static_range(NBLK):
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
@@ -530,6 +559,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     n3 = pid_n * BN + 4 * (Q * tl.arange(0, L)[None, :, None] + tl.arange(0, Q)[:, None, None]) \
         + tl.arange(0, 4)[None, None, :]
     ymask = n3 < N
+    if RSCALE:
+        ss = tl.sum(rsv, axis=0)
     if SPLIT_K:
         tl.store(ws_ptr + pid_k.to(tl.int64) * N + n3, y, mask=ymask)
         if NORM:  # this split's sum of squares, for the tile's last split
@@ -538,17 +569,22 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
             tot = sum_splits(ws_ptr + n3, N, num_splits, ymask, y)
-            ss = 0.0
             if NORM:
+                sst = 0.0
                 for k in range(0, num_splits):
-                    ss += tl.load(ss_ptr + k * tl.num_programs(0) + pid_n, cache_modifier=".cg")
-            if NORM:
+                    sst += tl.load(ss_ptr + k * tl.num_programs(0) + pid_n, cache_modifier=".cg")
+                tot = tot * tl.rsqrt(sst / (num_groups * G) + eps)
+            if RSCALE:
                 tot = tot * tl.rsqrt(ss / (num_groups * G) + eps)
+            if RES:
+                tot = _residual_epilogue(tot, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
             tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
-        if NORM:
+        if NORM or RSCALE:
             y = y * tl.rsqrt(ss / (num_groups * G) + eps)
+        if RES:
+            y = _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
         tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
@@ -581,12 +617,18 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
             and wa % (8 if bits == 3 else 4) == 0)
 
 
+def tiles(n: int, reps: int = 4, num_warps: int = 1) -> int:
+    """Programs along N (output tiles of 32 reps num_warps rows) of a gemv_tc call."""
+    return triton.cdiv(n, 32 * reps * num_warps)
+
+
 def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
             group_size: int, out: torch.Tensor | None = None, reps: int = 4,
             num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
             swiglu: bool = False, maxnreg: int | None = None,
             norm: tuple | None = None, stages: int = 1,
-            early: bool | int | None = None, gscale: tuple | None = None) -> torch.Tensor:
+            early: bool | int | None = None, gscale: tuple | None = None,
+            residual: tuple | None = None, rscale: tuple | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -608,20 +650,27 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     blocks lost at every engine shape).
     gscale = (gs [num_groups, P] fp32, eps): group g's contribution times rsqrt(sum(gs[g]) / G
     + eps) (KDA's gated output norm over its heads, head dim G, folded into o_proj with x = o w
-    sigmoid(gate) and gs from the KDA decode kernel: a norm launch less per KDA layer)."""
+    sigmoid(gate) and gs from the KDA decode kernel: a norm launch less per KDA layer).
+    residual = (r [1, N], nw [N], xs [1, N], ss [tiles(N, reps, num_warps)] fp32): the layer's
+    residual add and the next RMSNorm (weight nw) in the epilogue, with swiglu or gscale or
+    neither: y = h = y + r (bf16 out), xs = h nw (bf16) and ss[t] = tile t's sum of h^2.
+    rscale = (rs [P] fp32, eps), for x = such an xs and rs = its ss: y = x @ W^T times
+    rsqrt(sum(rs) / K + eps), i.e. RMSNorm(h) @ W^T: the norm's launch saved at each boundary
+    between a layer's output projection and the next input projection."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
     assert x.stride(1) == 1 and supported(x, bits, group_size, n), (x.shape, x.dtype, bits)
-    assert (swiglu, norm is not None, gscale is not None).count(True) <= 1, \
-        "swiglu, norm and gscale exclude each other"
+    assert (swiglu, norm is not None, gscale is not None, rscale is not None).count(True) <= 1, \
+        "swiglu, norm, gscale and rscale exclude each other"
+    assert residual is None or (norm is None and rscale is None), "residual: not with norm"
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
     num_groups = k // group_size
     n_sets = triton.cdiv(num_groups, 4)
     q = 8 * num_warps
     bn = 4 * reps * q
-    n_tiles = triton.cdiv(n, bn)
+    n_tiles = tiles(n, reps, num_warps)
     sps, ns = split_k(n_tiles, n_sets, x.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -642,6 +691,17 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         assert (gs.dtype == torch.float32 and gs.is_contiguous() and gs.dim() == 2
                 and gs.shape[0] == num_groups), "gscale: gs [num_groups, P] fp32, contiguous"
         nkw = dict(gs_ptr=gs, eps=float(eps), GSCALE=True, NPART=gs.shape[1])
+    if residual is not None:
+        res, w, xs, ss = residual
+        assert (out.dtype == x.dtype and ss.dtype == torch.float32 and ss.numel() == n_tiles
+                and all(t.dtype == x.dtype and t.is_contiguous() and t.numel() == n
+                        for t in (res, w, xs))), "residual: r, nw, xs [N] x's dtype, ss [tiles]"
+        nkw.update(r_ptr=res, nw_ptr=w, xs_ptr=xs, ss_ptr=ss, RES=True)
+    if rscale is not None:
+        rs, eps = rscale
+        assert rs.dtype == torch.float32 and rs.dim() == 1, "rscale: rs [P] fp32"
+        nkw = dict(rs_ptr=rs, n_rs=rs.numel(), eps=float(eps), RSCALE=True,
+                   NRS=triton.next_power_of_2(rs.numel()))
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
