@@ -61,7 +61,7 @@ if [ "$PART" != tests ]; then
     timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
       2>&1 | tail -8 >> "$OUT/bench.log"
   fi
-  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+nogfold}
+  VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+norfold}
   # shellcheck disable=SC2086
   [ -n "$VARIANTS" ] && timeout "${BENCH_TIMEOUT:-240}" python3 perf/bench_decode.py --out "$OUT/decode.json" \
     --variants "$VARIANTS" --tokens "${TOKENS:-256}" \

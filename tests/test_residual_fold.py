@@ -173,12 +173,15 @@ def run_cpu() -> None:
     check_pair(200, 512, (3, 3), 128, "cpu", _seed(), n_next=None,  # a ragged last tile
                kw=dict(reps=1, splits=2))
     check_pair(576, 256, (2, 4), 64, "cpu", _seed(), kw=dict(reps=4, splits=1))  # ragged, G 64
-    # the engine's entry points: off by default (None: the caller runs the norm); at M = 1
-    # only, with a residual of the output's shape (the size floor lifted: small shapes)
+    # the engine's entry points: on by default, off with the switch (None: the caller runs
+    # the norm); at M = 1 only, with a residual of the output's shape (the size floor lifted:
+    # small shapes)
+    assert engine.RESIDUAL_NORM_FOLD
     engine.TC_MIN_DIM = 0
     qa, qb, sz = _weights(256, 256, 4, 128, "cpu", 0)
     x = torch.randn(2, 256).to(torch.bfloat16)
     args = (x[:1], x[1:], x[0], qa, qb, sz, 4, 128)
+    engine.RESIDUAL_NORM_FOLD = False
     assert engine.quant_matmul_residual_norm(*args) is None
     engine.RESIDUAL_NORM_FOLD = True
     h, xw, ss = engine.quant_matmul_residual_norm(*args)
@@ -186,7 +189,7 @@ def run_cpu() -> None:
     assert engine.quant_matmul_rscaled(xw, ss[0], EPS, qa, qb, sz, 4, 128).shape == (1, 256)
     assert engine.quant_matmul_residual_norm(x, x, x[0], qa, qb, sz, 4, 128) is None
     assert engine.quant_matmul_rscaled(x, ss[0], EPS, qa, qb, sz, 4, 128) is None
-    engine.RESIDUAL_NORM_FOLD, engine.TC_MIN_DIM = False, 2048
+    engine.TC_MIN_DIM = 2048
     check_model_layers(_seed())
 
 

@@ -44,10 +44,10 @@ class DecoderLayer(nn.Module):
         norm is handed on as a PreNorm, which the projection reading it may fold into its own
         matmul (the mixed-bit GEMV at batch 1 with VOLUNDR_NORM_FOLD=1). Where the previous
         layer's down projection folded the add and this layer's input norm into its epilogue
-        (VOLUNDR_RESIDUAL_NORM_FOLD=1), delta is that Normed, which holds the stream; likewise
-        the mixer's output projection for the post-attention norm, and the MLP's for
-        `next_norm` (the next layer's input norm; None: not folded). Returns the (h, delta)
-        of the next layer."""
+        (the mixed-bit GEMV at batch 1, engine.RESIDUAL_NORM_FOLD), delta is that Normed,
+        which holds the stream; likewise the mixer's output projection for the post-attention
+        norm, and the MLP's for `next_norm` (the next layer's input norm; None: not folded).
+        Returns the (h, delta) of the next layer."""
         x = None
         if isinstance(delta, Normed):  # the stream is its residual_out; the norm is ours
             h, x, delta = delta.residual_out, (delta if self.engram is None else None), None
