@@ -84,11 +84,20 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
     return y
 
 
+def kda_decode_takes_low_rank(x: torch.Tensor, T: int, conv_width: int, bits: int,
+                              group_size: int, rank: int) -> bool:
+    """Whether `kda_decode` takes `low_rank` for a step of T sequences (on CUDA, see
+    kernels/kda/engine.py `decode_takes_low_rank`); x: any tensor on the step's device."""
+    fast = _fast(x, "kda")
+    return fast is not None and fast.decode_takes_low_rank(T, conv_width, bits, group_size, rank)
+
+
 def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
-               g_raw: torch.Tensor, beta_raw: torch.Tensor, state: torch.Tensor,
+               g_raw: torch.Tensor | None, beta_raw: torch.Tensor, state: torch.Tensor,
                slot_ids: torch.Tensor, cu_seqlens: torch.Tensor, cu_list: list[int],
                scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
-               gated: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               gated: tuple | None = None, low_rank: tuple | None = None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A KDA layer's decode step (one token per sequence, T == N; cu_seqlens / cu_list are
     arange(T + 1)): `causal_conv` (+ SiLU) over the raw q|k|v projections qkv [T, 3HK] (q, k, v
     each [H, K] per token) with conv_state, then `kda_mixer` with gate logits g_raw [T, H, K]
@@ -97,8 +106,14 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
     On CUDA one kernel does all of it at small batch (kernels/kda/engine.py `decode_fits`).
     gated = (gate [T, H, V] logits, norm weight [V]): returns (o w sigmoid(gate), ss [T, H, P]
     fp32 partial sums of o^2 per head), the gated output norm but its per-head 1 / rms (see
-    `layers.GroupScaled`); the one kernel computes it in its epilogue."""
+    `layers.GroupScaled`); the one kernel computes it in its epilogue.
+    low_rank = (xs [T, 2R], qa, sz) of KDA's f_b / g_b (4-bit, kernels/kda/decode.py), with
+    g_raw None and gated = (None, norm weight): the kernel computes the gate logits itself;
+    only where `kda_decode_takes_low_rank` says so."""
     fast = _fast(qkv, "kda")
+    if low_rank is not None:
+        return fast.kda_decode(qkv, conv_weight, conv_state, None, beta_raw, state, slot_ids,
+                               scale, A_log, dt_bias, gated=gated, low_rank=low_rank)
     T, (_, H, K), V = qkv.shape[0], g_raw.shape, state.shape[-1]
     if fast is not None and fast.decode_fits(T, conv_weight.shape[-1]):
         return fast.kda_decode(qkv, conv_weight, conv_state, g_raw, beta_raw, state, slot_ids,

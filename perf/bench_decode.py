@@ -15,8 +15,9 @@ default now, also without a suffix); +fold = the residual add + RMSNorm folded i
 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its o_proj GEMV
 or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm in the
 output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
-(engine.RESIDUAL_NORM_FOLD), +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off;
-after its main loop is the default since run 15), +noearly = its first weights of each set
+(engine.RESIDUAL_NORM_FOLD), +lrfold / +nolrfold = KDA's f_b / g_b computed in its decode kernel
+or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL trigger at its top
+(pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly = its first weights of each set
 loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the default
 since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
 (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows per
@@ -383,6 +384,7 @@ def _with(cfgs: dict, **kw) -> dict:
 
 def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> list[dict]:
     """One variant (see the module doc): build, optional profiles, then decode rates."""
+    import volundr.kernels.kda.engine as kengine
     import volundr.kernels.quant.engine as qengine
     from volundr.kernels import pdl
 
@@ -396,7 +398,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
-                qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD)
+                qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
+                kengine.LOW_RANK_FOLD)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -406,6 +409,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GATED_NORM_FOLD = sfx == "gfold"
         elif sfx in ("rfold", "norfold"):  # norms in the output GEMVs' epilogues / not
             qengine.RESIDUAL_NORM_FOLD = sfx == "rfold"
+        elif sfx in ("lrfold", "nolrfold"):  # KDA's f_b / g_b in its decode kernel / not
+            kengine.LOW_RANK_FOLD = sfx == "lrfold"
         elif sfx in ("late", "top"):
             pdl.LATE_TRIGGER = sfx == "late"
         elif sfx in ("early", "noearly"):  # 1 block at 3 and 4 bits / none
@@ -428,14 +433,15 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
-                             "gfold, nogfold, rfold, norfold, early, noearly, "
+                             "gfold, nogfold, rfold, norfold, lrfold, nolrfold, early, noearly, "
                              "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
     finally:
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
-         qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD) = defaults
+         qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
+         kengine.LOW_RANK_FOLD) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 # the kernels' switches as suffixes
-MIXED = "mixed@2+fold+gfold+rfold+late+early+e4:2/3:2+r1+w8+uncap+tcmin2048+s2"
+MIXED = "mixed@2+fold+gfold+rfold+lrfold+late+early+e4:2/3:2+r1+w8+uncap+tcmin2048+s2"
 
 
 def test_bench_decode_runs_on_the_tiny_preset(tmp_path):

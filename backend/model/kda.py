@@ -95,17 +95,30 @@ class KDA(nn.Module):
         else:
             qkv, xs = (p(x) for p in self.parts)
         r, hk = self.in_split[3], H * K
-        fg = self.fg_b(xs[:, :2 * r].view(T, 2, r))                      # [T, 2 H K]
-        f, g_out = fg[:, :hk].view(T, H, K), fg[:, hk:].view(T, H, K)
         beta = xs[:, 2 * r:]
+        decode_args = (self.qkv_conv_weight, self.conv_state)
         # decay and beta stay logits: the KDA kernels apply softplus / exp / sigmoid
         if b.max_q_len == 1:  # decode: conv and recurrence in one kernel on CUDA
             # the gated output norm folded into that kernel and o_proj's GEMV where o_proj can
             fold = getattr(self.o_proj, "folds_gated_norm", None)
-            gated = (g_out, self.o_norm.weight) if fold is not None and fold(qkv, K) else None
-            o = ops.kda_decode(qkv, self.qkv_conv_weight, self.conv_state, f, beta, self.state,
-                               b.slot_ids, b.cu_seqlens, b.cu_list, K ** -0.5, self.A_log,
-                               self.dt_bias, gated)
+            gated = fold is not None and fold(qkv, K)
+            q = self.fg_b.fused
+            if gated and q is not None and ops.kda_decode_takes_low_rank(
+                    qkv, T, self.qkv_conv_weight.shape[-1], q.bits, q.group_size, r):
+                # and f_b / g_b too: the kernel computes the gate logits from their weights
+                u, ss = ops.kda_decode(qkv, *decode_args, None, beta, self.state, b.slot_ids,
+                                       b.cu_seqlens, b.cu_list, K ** -0.5, self.A_log,
+                                       self.dt_bias, (None, self.o_norm.weight),
+                                       low_rank=(xs[:, :2 * r], q.qa, q.sz))
+                return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
+                                post)
+        fg = self.fg_b(xs[:, :2 * r].view(T, 2, r))                      # [T, 2 H K]
+        f, g_out = fg[:, :hk].view(T, H, K), fg[:, hk:].view(T, H, K)
+        if b.max_q_len == 1:
+            gated = (g_out, self.o_norm.weight) if gated else None
+            o = ops.kda_decode(qkv, *decode_args, f, beta, self.state, b.slot_ids,
+                               b.cu_seqlens, b.cu_list, K ** -0.5, self.A_log, self.dt_bias,
+                               gated)
             if gated is not None:  # o w sigmoid(gate), and each head's sums of squares
                 u, ss = o
                 return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),

@@ -86,12 +86,42 @@ def _store_tail(st, ch, m, b_x, t1, t2, W: tl.constexpr):
 
 
 @triton.jit
+def _lr_load(q, sz, n, m, NQ: tl.constexpr, WA: tl.constexpr):
+    """Output rows n (mask m) of a 4-bit linear with one quant group per row, in pack.py's
+    kernel layout (q [WA, NQ] int32: word row r, nibble i holds the code of input i WA + r;
+    sz [1, NQ] int32 = bf16 scale | bf16 zero << 16): words [WA, BN] and packed scales [BN].
+    Weights: never written by a kernel, so loadable before the PDL wait."""
+    r = tl.arange(0, WA)
+    w = tl.load(q + r[:, None] * NQ + n[None, :], mask=m[None, :], other=0)
+    return w, tl.load(sz + n, mask=m, other=0)
+
+
+@triton.jit
+def _lr_dot(w, s, x, WA: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr):
+    """y [BN] = W x for `_lr_load`'s words w and scales s and x at pointer x (8 WA inputs):
+    W = (q - zero) scale, so y = scale (sum q x - zero sum x); rounded to dtype (what the
+    mixed-bit GEMV returns) and back to fp32."""
+    r = tl.arange(0, WA)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    xsum = tl.zeros([WA], dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = tl.load(x + i * WA + r).to(tl.float32)
+        acc += tl.sum(((w >> (4 * i)) & 15).to(tl.float32) * xi[:, None], axis=0)
+        xsum += xi
+    sc = (s << 16).to(tl.float32, bitcast=True)
+    zr = (s & -65536).to(tl.float32, bitcast=True)
+    return (sc * (acc - zr * tl.sum(xsum, axis=0))).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _kda_decode_kernel(
     x, cw, cs, g, beta, o, h, slot_ids, cnt, A_log, dt_bias, scale,
     s_xt, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     z=None, nw=None, ss=None, s_zt=0, GATED: tl.constexpr = False,
+    lr_x=None, lr_q=None, lr_sz=None, s_lrt=0, LOW_RANK: tl.constexpr = False,
+    WA_LR: tl.constexpr = 16,
 ):
     """x [T, C] raw q|k|v (row stride s_xt), C = 2HK + HV; cw [C, W]; cs [slots, C, W - 1];
     g [T, H, K] and beta [T, H] logits (strides s_g*, s_b*); o [T, H, V]; h [slots, H, K, V] fp32;
@@ -99,9 +129,12 @@ def _kda_decode_kernel(
     GATED: o = o' nw sigmoid(z) (o' the output rounded to o's dtype; z [T, H, V] the output
     gate logits, token stride s_zt; nw [V] the output norm's weight) and ss [T, H, NV] fp32 =
     each program's sum of o'^2: the head's RMSNorm is then one scale per head, which o_proj's
-    GEMV applies to the head's sums (gemv_tc `gscale`) instead of a norm kernel."""
+    GEMV applies to the head's sums (gemv_tc `gscale`) instead of a norm kernel.
+    LOW_RANK (with GATED): g and z not read but computed here, g = f_b(lr_x[:, :R]) and
+    z = g_b(lr_x[:, R:2R]) (R = 8 WA_LR; lr_x token stride s_lrt), f_b / g_b one 4-bit linear
+    [HK + HV, R] of one quant group per row (lr_q [WA_LR, HK + HV] int32, lr_sz [1, HK + HV],
+    f rows first): KDA's low-rank gate projections without their own launch."""
     pdl.trigger()  # a PDL-launched successor may start
-    pdl.wait()  # PDL: inputs come from the kernel before
     NV: tl.constexpr = (V + BV - 1) // BV
     C: tl.constexpr = 2 * H * K + H * V
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -111,6 +144,10 @@ def _kda_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
+    if LOW_RANK:  # this head's f_b rows and this program's g_b rows, before the wait
+        lw_f, ls_f = _lr_load(lr_q, lr_sz, i_h * K + o_k, m_k, H * K + H * V, WA_LR)
+        lw_z, ls_z = _lr_load(lr_q, lr_sz, H * K + i_h * V + o_v, m_v, H * K + H * V, WA_LR)
+    pdl.wait()  # PDL: inputs come from the kernel before
     m_h = m_k[:, None] & m_v[None, :]
     c_q = i_h * K + o_k
     c_k = H * K + c_q
@@ -121,13 +158,20 @@ def _kda_decode_kernel(
     x_q, w0_q, w1_q, w2_q, wn_q = _load_new(xt, cw, c_q, m_k, W)
     x_k, w0_k, w1_k, w2_k, wn_k = _load_new(xt, cw, c_k, m_k, W)
     x_v, w0_v, w1_v, w2_v, wn_v = _load_new(xt, cw, c_v, m_v, W)
-    b_g = tl.load(g + i_t * s_gt + i_h * s_gh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if LOW_RANK:
+        xl = lr_x + i_t * s_lrt
+        b_g = _lr_dot(lw_f, ls_f, xl, WA_LR, BK, lr_x.dtype.element_ty)
+    else:
+        b_g = tl.load(g + i_t * s_gt + i_h * s_gh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_b = tl.load(beta + i_t * s_bt + i_h * s_bh).to(tl.float32)
     b_a = tl.load(A_log + i_h).to(tl.float32)
     if HAS_DT_BIAS:
         b_g += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     if GATED:  # the output gate and norm weight of this program's v channels
-        b_z = tl.load(z + i_t * s_zt + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if LOW_RANK:
+            b_z = _lr_dot(lw_z, ls_z, xl + 8 * WA_LR, WA_LR, BV, lr_x.dtype.element_ty)
+        else:
+            b_z = tl.load(z + i_t * s_zt + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_nw = tl.load(nw + o_v, mask=m_v, other=0.0).to(tl.float32)
     p_o = o + (i_t * H + i_h) * V + o_v
     if slot < 0:  # padding row (a CUDA-graph batch larger than the live one): no state, o = 0
@@ -195,7 +239,8 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
                g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                scale: float, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, BV: int | None = None,
-               num_warps: int | None = None, gated: tuple | None = None
+               num_warps: int | None = None, gated: tuple | None = None,
+               low_rank: tuple | None = None
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One decode step of a KDA layer (one token per sequence): conv + SiLU over the raw q|k|v
     projections with each sequence's carried tail, then the KDA step, in one launch.
@@ -212,10 +257,14 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
     [V]): returns (o' nw sigmoid(z), ss [T, H, NV] fp32), ss = sums of o'^2 over the NV blocks
     of V of each head: RMSNorm(o') nw sigmoid(z) = that times rsqrt(sum(ss) / V + eps) per
     head (KDA's gated output norm, its per-head scale left to o_proj's GEMV).
+    low_rank = (xs [T, 2R] (unit column stride), qa [R / 8, H K + H V] int32, sz [1, H K + H V]
+    int32), with gated = (None, norm weight) and g None: g = f_b(xs[:, :R]) and z = g_b(xs[:,
+    R:]) computed in the kernel from the 4-bit kernel layout of f_b and g_b stacked (rows of
+    f_b first; one quant group of R per row; R / 8 a power of two), rounded to xs's dtype as
+    the mixed-bit GEMV returns them: KDA's low-rank gate projections without their launch.
     """
     T, C = qkv.shape
-    _, H, K = g.shape
-    V = state.shape[-1]
+    _, H, K, V = state.shape
     W = conv_weight.shape[-1]
     if C != 2 * H * K + H * V or conv_weight.shape[0] != C or conv_state.shape[1:] != (C, W - 1):
         raise ValueError(f"qkv {tuple(qkv.shape)}, conv weight {tuple(conv_weight.shape)} and "
@@ -228,6 +277,21 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
         raise ValueError("conv_state must be contiguous")
     if slot_ids.shape[0] != T or beta.shape != (T, H):
         raise ValueError("one slot id and one beta row per token")
+    lkw = {}
+    if low_rank is not None:
+        xs, lq, lsz = low_rank
+        R, n_lr = xs.shape[1] // 2, H * K + H * V
+        wa = R // 8
+        if (gated is None or g is not None or xs.shape[0] != T or xs.stride(1) != 1
+                or R % 8 or wa & (wa - 1) or lq.dtype != torch.int32 or lsz.dtype != torch.int32
+                or lq.shape != (wa, n_lr) or lsz.shape != (1, n_lr)):
+            raise ValueError("low_rank: xs [T, 2R], qa [R / 8, HK + HV], sz [1, HK + HV] int32 "
+                             "(R / 8 a power of two), with gated = (None, w) and g None")
+        lkw = dict(lr_x=xs, lr_q=lq.contiguous(), lr_sz=lsz.contiguous(), s_lrt=xs.stride(0),
+                   LOW_RANK=True, WA_LR=wa)
+        g = xs  # (not read)
+    elif g.shape != (T, H, K):
+        raise ValueError(f"g must be [T, H, K] = [{T}, {H}, {K}]")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if g.stride(-1) != 1:
@@ -241,7 +305,9 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
     gkw, ss = {}, None
     if gated is not None:
         z, nw = gated
-        if z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V or nw.numel() != V:
+        if low_rank is not None:
+            z = xs  # (not read)
+        elif z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V or nw.numel() != V:
             raise ValueError("gated: z [T, H, V] with heads V apart, unit channel stride; "
                              "norm weight [V]")
         ss = torch.empty(T, H, NV, dtype=torch.float32, device=qkv.device)
@@ -253,5 +319,6 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
         qkv, conv_weight, conv_state, g, beta, o, state, slot_ids, cnt, A_log, dt_bias, scale,
         qkv.stride(0), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         H=H, K=K, V=V, BK=BK, BV=BV, W=W,
-        HAS_DT_BIAS=dt_bias is not None, num_warps=num_warps, launch_pdl=pdl.ON.value, **gkw)
+        HAS_DT_BIAS=dt_bias is not None, num_warps=num_warps, launch_pdl=pdl.ON.value, **gkw,
+        **lkw)
     return o if ss is None else (o, ss)

@@ -13,6 +13,8 @@ above that.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from volundr.kernels.kda.chunk import chunk_kda
@@ -28,6 +30,11 @@ DECODE_MAX_LEN = 16
 # batches, where the state traffic dominates, it lost to the two kernels on the H200 (decode.py's
 # CONFIG: equal at batch 16, 4% slower at 64).
 DECODE_FUSED_MAX_T = 16
+# KDA's low-rank gate projections f_b / g_b (rank -> H K each; 4-bit, one quant group per row)
+# computed inside the decode kernel from their kernel-layout words (decode.py `low_rank`), so
+# the grouped GEMV's launch (54 per Volundr-32B token, ~2.8 us each in the graph) goes. Opt-in
+# (VOLUNDR_KDA_LOW_RANK_FOLD=1) until measured on the GPU.
+LOW_RANK_FOLD = os.environ.get("VOLUNDR_KDA_LOW_RANK_FOLD", "0") == "1"
 
 
 def _max_len(cu_list: list[int], T: int) -> int:
@@ -77,3 +84,13 @@ def decode_fits(T: int, conv_width: int) -> bool:
     """Whether `kda_decode` (the one-launch decode step, decode.py) takes a step of T sequences
     with a conv this wide; otherwise `ops.kda_decode` runs `causal_conv` and `kda_mixer`."""
     return conv_width <= 4 and T <= DECODE_FUSED_MAX_T
+
+
+def decode_takes_low_rank(T: int, conv_width: int, bits: int, group_size: int,
+                          rank: int) -> bool:
+    """Whether `kda_decode` computes the gate logits itself from f_b / g_b (LOW_RANK_FOLD on):
+    a step it takes (`decode_fits`), 4-bit weights with one quant group per row (group size =
+    rank) and rank / 8 words per row a power of two."""
+    wa = rank // 8
+    return (LOW_RANK_FOLD and decode_fits(T, conv_width) and bits == 4 and group_size == rank
+            and rank % 32 == 0 and wa & (wa - 1) == 0)
