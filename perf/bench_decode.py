@@ -17,15 +17,15 @@ or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMS
 output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
 (engine.RESIDUAL_NORM_FOLD), +lrfold / +nolrfold = KDA's f_b / g_b computed in its decode kernel
 or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL trigger at its top
-(pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly = its first weights of each set
-loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4 bits is the default
-since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per bit width
-(VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows per
-program; waves scaled to keep its splits; after it +wN sets waves N), +uncap = no register cap
-on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM), +sN
-= the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
-GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2.
-PDL itself is per process (VOLUNDR_PDL).
+(pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly = its first
+weights of each set loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4
+bits is the default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per
+bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows
+per program; waves scaled to keep its splits; after it +wN sets waves N), +uncap = no register
+cap on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM),
++sN = the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages`
+of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself is per process
+(VOLUNDR_PDL).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
