@@ -102,15 +102,16 @@ def _lr_dot(w, s, x, WA: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr):
     W = (q - zero) scale, so y = scale (sum q x - zero sum x); rounded to dtype (what the
     mixed-bit GEMV returns) and back to fp32."""
     r = tl.arange(0, WA)
-    acc = tl.zeros([BN], dtype=tl.float32)
+    acc = tl.zeros([WA, BN], dtype=tl.float32)  # reduced once at the end, not per nibble
     xsum = tl.zeros([WA], dtype=tl.float32)
     for i in tl.static_range(8):
         xi = tl.load(x + i * WA + r).to(tl.float32)
-        acc += tl.sum(((w >> (4 * i)) & 15).to(tl.float32) * xi[:, None], axis=0)
+        acc += ((w >> (4 * i)) & 15).to(tl.float32) * xi[:, None]
         xsum += xi
     sc = (s << 16).to(tl.float32, bitcast=True)
     zr = (s & -65536).to(tl.float32, bitcast=True)
-    return (sc * (acc - zr * tl.sum(xsum, axis=0))).to(dtype).to(tl.float32)
+    y = sc * (tl.sum(acc, axis=0) - zr * tl.sum(xsum, axis=0))
+    return y.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -158,9 +159,8 @@ def _kda_decode_kernel(
     x_q, w0_q, w1_q, w2_q, wn_q = _load_new(xt, cw, c_q, m_k, W)
     x_k, w0_k, w1_k, w2_k, wn_k = _load_new(xt, cw, c_k, m_k, W)
     x_v, w0_v, w1_v, w2_v, wn_v = _load_new(xt, cw, c_v, m_v, W)
-    if LOW_RANK:
-        xl = lr_x + i_t * s_lrt
-        b_g = _lr_dot(lw_f, ls_f, xl, WA_LR, BK, lr_x.dtype.element_ty)
+    if LOW_RANK:  # f_b's output is added after the state's loads are issued (below)
+        b_g = tl.zeros([BK], dtype=tl.float32)
     else:
         b_g = tl.load(g + i_t * s_gt + i_h * s_gh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_b = tl.load(beta + i_t * s_bt + i_h * s_bh).to(tl.float32)
@@ -168,9 +168,7 @@ def _kda_decode_kernel(
     if HAS_DT_BIAS:
         b_g += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     if GATED:  # the output gate and norm weight of this program's v channels
-        if LOW_RANK:
-            b_z = _lr_dot(lw_z, ls_z, xl + 8 * WA_LR, WA_LR, BV, lr_x.dtype.element_ty)
-        else:
+        if not LOW_RANK:
             b_z = tl.load(z + i_t * s_zt + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_nw = tl.load(nw + o_v, mask=m_v, other=0.0).to(tl.float32)
     p_o = o + (i_t * H + i_h) * V + o_v
@@ -185,6 +183,11 @@ def _kda_decode_kernel(
     t0_v, t1_v, t2_v = _load_tail(st, c_v, m_v, W)
     t0_q, t1_q, t2_q = _load_tail(st, c_q, m_k, W)
     t0_k, t1_k, t2_k = _load_tail(st, c_k, m_k, W)
+    if LOW_RANK:  # the gate logits while the state and tails are on their way
+        xl = lr_x + i_t * s_lrt
+        b_g += _lr_dot(lw_f, ls_f, xl, WA_LR, BK, lr_x.dtype.element_ty)
+        if GATED:
+            b_z = _lr_dot(lw_z, ls_z, xl + 8 * WA_LR, WA_LR, BV, lr_x.dtype.element_ty)
 
     dt = x.dtype.element_ty
     b_q = _conv_silu(x_q, w0_q, w1_q, w2_q, wn_q, t0_q, t1_q, t2_q, dt)
