@@ -24,7 +24,8 @@ RUNS = {"run 1": "decode_run1.json", "run 3": "decode_run3.json", "run 4": "deco
         "run 13 waves 48": "decode_run13.json", "run 13 L2 prefetch": "decode_run13_prefetch.json",
         "run 15": "decode_run15.json", "run 16": "decode_run16.json", "run 17": "decode_run17.json",
         "run 19": "decode_run19.json", "run 20": "decode_run20.json", "run 22": "decode_run22.json",
-        "run 23": "decode_run23.json", "run 28": "decode_run28.json"}
+        "run 23": "decode_run23.json", "run 28": "decode_run28.json",
+        "run 30": "decode_run30.json"}
 
 
 def plot_decode(out: Path) -> None:

@@ -32,8 +32,10 @@ DECODE_MAX_LEN = 16
 DECODE_FUSED_MAX_T = 16
 # KDA's low-rank gate projections f_b / g_b (rank -> H K each; 4-bit, one quant group per row)
 # computed inside the decode kernel from their kernel-layout words (decode.py `low_rank`), so
-# the grouped GEMV's launch (54 per Volundr-32B token, ~2.8 us each in the graph) goes. Opt-in
-# (VOLUNDR_KDA_LOW_RANK_FOLD=1) until measured on the GPU.
+# the grouped GEMV's launch (54 per Volundr-32B token, ~2.8 us each in the graph) goes. Right
+# on the H200 but no faster there (run 30: the KDA kernel 5.8 -> 8.0 us per call, eager 98 us
+# per token less, graph 6.276 -> 6.267 ms, within run-to-run noise; run 29's first form, the
+# gate math before the state's loads, 6.264 -> 6.499 ms). Opt-in: VOLUNDR_KDA_LOW_RANK_FOLD=1.
 LOW_RANK_FOLD = os.environ.get("VOLUNDR_KDA_LOW_RANK_FOLD", "0") == "1"
 
 
