@@ -15,20 +15,11 @@ import sys
 
 import pytest
 import torch
+from test_quant import _rel, _seed  # (tests/ is on the path under pytest and as a script)
 
 from volundr.kernels.quant.naive import naive_quant_matmul
 
 CUDA = torch.cuda.is_available()
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def check_low_rank(N: int, H: int, K: int, R: int, device: str, seed: int, pad=(),

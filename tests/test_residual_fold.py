@@ -18,22 +18,13 @@ from unittest import mock
 
 import pytest
 import torch
+from test_quant import _rel, _seed  # (tests/ is on the path under pytest and as a script)
 
 from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
 from volundr.kernels.quant.naive import naive_quant_matmul
 
 CUDA = torch.cuda.is_available()
 EPS = 1e-6
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _weights(n: int, k: int, bits: int, g: int, device, seed: int):
