@@ -102,14 +102,14 @@ class KDA(nn.Module):
             # the gated output norm folded into that kernel and o_proj's GEMV where o_proj can
             fold = getattr(self.o_proj, "folds_gated_norm", None)
             gated = fold is not None and fold(qkv, K)
-            q = self.fg_b.fused
-            if gated and q is not None and ops.kda_decode_takes_low_rank(
-                    qkv, T, self.qkv_conv_weight.shape[-1], q.bits, q.group_size, r):
+            fgq = self.fg_b.fused  # f_b and g_b as one mixed-bit linear, or None
+            if gated and fgq is not None and ops.kda_decode_takes_low_rank(
+                    qkv, T, self.qkv_conv_weight.shape[-1], fgq.bits, fgq.group_size, r):
                 # and f_b / g_b too: the kernel computes the gate logits from their weights
                 u, ss = ops.kda_decode(qkv, *decode_args, None, beta, self.state, b.slot_ids,
                                        b.cu_seqlens, b.cu_list, K ** -0.5, self.A_log,
                                        self.dt_bias, (None, self.o_norm.weight),
-                                       low_rank=(xs[:, :2 * r], q.qa, q.sz))
+                                       low_rank=(xs[:, :2 * r], fgq.qa, fgq.sz))
                 return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
                                 post)
         fg = self.fg_b(xs[:, :2 * r].view(T, 2, r))                      # [T, 2 H K]
