@@ -173,10 +173,12 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
     RMSNorm, in one launch: h = y + residual [1, N] (the next residual stream), xw = h w [1, N]
     (w = norm_weight) and ss [1, tiles] fp32 sums of h^2, so that RMSNorm(h) = xw rsqrt(sum(ss)
     / N + eps), which `quant_matmul_rscaled` folds into the next GEMV. None where it does not
-    apply (RESIDUAL_NORM_FOLD off, M > 1, a shape or dtype the tensor-core GEMV does not take)."""
+    apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off, M > 1, a shape or dtype the
+    tensor-core GEMV does not take)."""
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     n = qa.shape[1]
-    if not (RESIDUAL_NORM_FOLD and _takes_gemv_tc(x, k, n, bits, group_size)
+    if not (RESIDUAL_NORM_FOLD and (gscale is None or GATED_NORM_FOLD)
+            and _takes_gemv_tc(x, k, n, bits, group_size)
             and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
             and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
         return None
