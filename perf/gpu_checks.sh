@@ -6,12 +6,12 @@
 #     PART=bench COMPARE=gemv bash perf/gpu_checks.sh   # GEMV configs (~1.5 min) + end-to-end
 #                                          # decode, 2 variants (~2.5 min; ~1.2 min each after
 #                                          # the first, session 8); gemm16, kda apart
-# env: TESTS (test files), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
+# env: TESTS (test files), TEST_K (pytest -k), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
 #      BENCH_TIMEOUT; TC_CONFIGS / TC16_CONFIGS ("reps,warps,waves;...": the tensor-core configs
 #      that gemv / gemm16 compare; GEMV_TIMEOUT, GEMM16_TIMEOUT); NOPDL_TESTS / NOPDL_VARIANTS:
 #      tests / variants run again with VOLUNDR_PDL=0 (programmatic dependent launch, kernels/pdl.py, is on by default on sm_90;
-#      decode_nopdl.json).
+#      decode_nopdl.json); KDA_ARGS / KDA_TIMEOUT (bench_kda.py --intra-compare).
 # Output under $OUT, few files (the device returns about 8): env.txt, gpu_tests.log (-v: one
 # line per test, readable even when a timeout cuts the run), bench.log, gemv_compare.json,
 # gemm16_compare.json, kda_intra.jsonl, decode.json, profiles.txt.
@@ -34,7 +34,7 @@ if [ "$PART" != bench ]; then
     tests/test_triton_only.py tests/test_kernels_kda.py"}
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
-    -k "cuda or gpu" > "$OUT/gpu_tests.log" 2>&1
+    -k "${TEST_K:-cuda or gpu}" > "$OUT/gpu_tests.log" 2>&1
   tail -5 "$OUT/gpu_tests.log"
   if [ -n "${NOPDL_TESTS:-}" ]; then  # again without programmatic dependent launch
     echo "######## VOLUNDR_PDL=0" >> "$OUT/gpu_tests.log"
@@ -58,8 +58,9 @@ if [ "$PART" != tests ]; then
       >> "$OUT/bench.log"
   fi
   if [[ ",$COMPARE," == *,kda,* ]]; then  # KDA prefill chunk-local stage: current vs sub vs fla
-    timeout 120 python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
-      2>&1 | tail -8 >> "$OUT/bench.log"
+    # shellcheck disable=SC2086
+    timeout "${KDA_TIMEOUT:-120}" python3 perf/kernels/bench_kda.py --out "$OUT" --intra-compare \
+      ${KDA_ARGS:-} 2>&1 | tail -8 >> "$OUT/bench.log"
   fi
   VARIANTS=${VARIANTS-mixed:16@8,mixed:16@8+norfold}
   # shellcheck disable=SC2086

@@ -149,9 +149,9 @@ def compile_all() -> list[str]:
 
     H, K = 40, 128
     state = torch.zeros(6, H, K, K)
-    modes = [("fused", False), ("sub", False), ("sub", True)]
-    for lens, (mode, split) in zip(([1, 1, 1], [3, 2], [100, 70], [100, 70], [100, 70]),
-                                   [modes[0]] * 3 + modes[1:]):
+    modes = [("fused", False), ("sub", False), ("sub", True), ("split", False)]
+    for lens, (mode, split) in zip(([1, 1, 1], [3, 2], [100, 70], [100, 70], [100, 70],
+                                    [100, 70]), [modes[0]] * 3 + modes[1:]):
         chunk.CONFIG["intra"], chunk.CONFIG["sub_split"] = mode, split
         n, t = len(lens), sum(lens)
         cu_list = [0] + torch.tensor(lens).cumsum(0).tolist()
@@ -245,7 +245,8 @@ def test_kernels_compile_for_sm90(pdl):
                 "_prefill_kernel", "_fused_recurrent_kda_kernel", "_conv_seq_kernel",
                 "_kda_decode_kernel",
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
-                "_chunk_kda_intra_sub_kernel", "quant_matmul_kernel",
+                "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel", "_kda_intra_solve_kernel",
+                "quant_matmul_kernel",
                 "dequant_kernel", "gemv_tc_kernel"}
     assert expected <= names, f"not compiled: {expected - names}"
 

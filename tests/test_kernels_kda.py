@@ -106,9 +106,9 @@ class _Capture:
         return launch
 
 
-def run_intra_modes(x, BT, fused_gate, sub_cfg=None):
+def run_intra_modes(x, BT, fused_gate, modes=("fused", "sub"), cfg=None):
     """chunk_kda once per stage-1 mode; per mode (o, pool, chunk states, stage-1 outputs).
-    sub_cfg: chunk.CONFIG entries for the sub run (launch variants)."""
+    cfg: chunk.CONFIG entries for the runs other than "fused" (launch variants)."""
     from volundr.kernels.kda import chunk
     gate = dict(g=x["g_raw"], beta=x["b_raw"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True) if fused_gate else \
@@ -116,8 +116,8 @@ def run_intra_modes(x, BT, fused_gate, sub_cfg=None):
     saved, kernel = dict(chunk.CONFIG), chunk._chunk_kda_fwd_kernel
     out = {}
     try:
-        for mode in chunk.INTRA_MODES:
-            chunk.CONFIG.update(saved, intra=mode, **((sub_cfg or {}) if mode == "sub" else {}))
+        for mode in modes:
+            chunk.CONFIG.update(saved, intra=mode, **((cfg or {}) if mode != "fused" else {}))
             chunk._chunk_kda_fwd_kernel = cap = _Capture(kernel)
             pool = x["pool"].clone()
             o, _, hc = chunk.chunk_kda(x["q"], x["k"], x["v"], initial_state=pool,
@@ -131,19 +131,19 @@ def run_intra_modes(x, BT, fused_gate, sub_cfg=None):
     return out
 
 
-def check_chunk_sub(lens, H, K, V, dtype, tol, BT, fused_gate, decay=1.0, device="cpu",
-                    stage_tol=None, sub_cfg=None):
-    """The sub-chunk stage 1 (VOLUNDR_KDA_INTRA=sub) == the naive reference, and its outputs
-    (w, u, qg, kg, Aqk, 2^G_last) == those of the default stage 1."""
+def check_chunk_intra(mode, lens, H, K, V, dtype, tol, BT, fused_gate, decay=1.0, device="cpu",
+                      stage_tol=None, cfg=None):
+    """A stage-1 implementation (VOLUNDR_KDA_INTRA=sub or split) == the naive reference, and its
+    outputs (w, u, qg, kg, Aqk, 2^G_last) == those of the fused stage 1."""
     x = make(lens, H, K, V, dtype, device, decay=decay, slots=len(lens) + 2)
     o_ref, s_ref, b_ref = reference(x, chunk_size=BT)
-    out = run_intra_modes(x, BT, fused_gate, sub_cfg)
-    o, pool, hc, stage = out["sub"]
+    out = run_intra_modes(x, BT, fused_gate, ("fused", mode), cfg)
+    o, pool, hc, stage = out[mode]
     errs = [rel(o, o_ref), rel(pool[x["idx"]], s_ref), rel(hc, b_ref)]
-    assert max(errs) < tol, f"sub chunk {lens} BT={BT} {dtype}: {errs}"
+    assert max(errs) < tol, f"{mode} chunk {lens} BT={BT} {dtype}: {errs}"
     names = ("w", "u", "qg", "kg", "Aqk", "gl")
     stage_errs = {n: rel(a, b) for n, a, b in zip(names, stage, out["fused"][3])}
-    assert max(stage_errs.values()) < (stage_tol or tol), f"sub vs fused stage 1: {stage_errs}"
+    assert max(stage_errs.values()) < (stage_tol or tol), f"{mode} vs fused stage 1: {stage_errs}"
 
 
 def check_conv(lens, C, W, with_state, device="cpu", dtype=torch.float32):
@@ -359,16 +359,30 @@ INTERPRETER_CASES = {
     "chunk32_fp16": lambda: check_chunk([100], 1, 64, 32, f16, 5e-3, 32, False),
     "chunk16_huge_decay_fp32": lambda: check_chunk([1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
     "sub_chunk64_varlen_gate_fp32":
-        lambda: check_chunk_sub([5, 70, 33], 2, 32, 64, f32, 1e-4, 64, True),
-    "sub_chunk64_fp16": lambda: check_chunk_sub([150], 1, 64, 32, f16, 5e-3, 64, False),
-    "sub_chunk32_fp16": lambda: check_chunk_sub([100], 1, 64, 32, f16, 5e-3, 32, False),
+        lambda: check_chunk_intra("sub", [5, 70, 33], 2, 32, 64, f32, 1e-4, 64, True),
+    "sub_chunk64_fp16": lambda: check_chunk_intra("sub", [150], 1, 64, 32, f16, 5e-3, 64, False),
+    "sub_chunk32_fp16": lambda: check_chunk_intra("sub", [100], 1, 64, 32, f16, 5e-3, 32, False),
     "sub_chunk16_huge_decay_fp32":
-        lambda: check_chunk_sub([1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
+        lambda: check_chunk_intra("sub", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
     "sub_chunk64_huge_decay_varlen_fp32":
-        lambda: check_chunk_sub([130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0),
+        lambda: check_chunk_intra("sub", [130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0),
     "sub_split_chunk64_varlen_fp32":  # phases 0-2 and phase 3 as two launches
-        lambda: check_chunk_sub([3, 90], 2, 32, 32, f32, 1e-4, 64, False, 5.0,
-                                sub_cfg=dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
+        lambda: check_chunk_intra("sub", [3, 90], 2, 32, 32, f32, 1e-4, 64, False, 5.0,
+                                  cfg=dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
+    # the two-launch stage 1 (block-row programs + block inverse): every chunk size, ragged
+    # chunks, huge decays, channel blocks of 8 and 32
+    "split_chunk64_varlen_gate_fp32":
+        lambda: check_chunk_intra("split", [5, 70, 33], 2, 32, 64, f32, 1e-4, 64, True),
+    "split_chunk64_fp16": lambda: check_chunk_intra("split", [150], 1, 64, 32, f16, 5e-3, 64,
+                                                    False, cfg=dict(split_BK_a=32, split_BV=16,
+                                                                    split_inv_apart=False)),
+    "split_chunk32_fp16": lambda: check_chunk_intra("split", [100], 1, 64, 32, f16, 5e-3, 32,
+                                                    False, cfg=dict(split_BK_a=8,
+                                                                    split_unroll=True)),
+    "split_chunk16_huge_decay_fp32":
+        lambda: check_chunk_intra("split", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
+    "split_chunk64_huge_decay_varlen_fp32":
+        lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0),
     "conv_decode": lambda: check_conv([1, 1, 1], 48, 4, True),
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
@@ -440,22 +454,26 @@ def test_gpu_chunk(lens):
 
 
 @cuda
+@pytest.mark.parametrize("mode", ["sub", "split"])
 @pytest.mark.parametrize("lens,decay", [([4096], 1.0), ([1000, 37, 3000, 64], 1.0),
                                         ([2048, 5, 300], 40.0)])
-def test_gpu_chunk_sub(lens, decay):
-    """VOLUNDR_KDA_INTRA=sub at Volundr shapes: == the fp32 reference and == the fused stage 1
-    (bf16 intermediates: stage-1 outputs agree to bf16 rounding plus tf32 dots)."""
-    check_chunk_sub(lens, 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=len(lens) > 1, decay=decay,
-                    device="cuda", stage_tol=GPU_TOL)
+def test_gpu_chunk_intra(mode, lens, decay):
+    """VOLUNDR_KDA_INTRA=sub / split at Volundr shapes: == the fp32 reference and == the fused
+    stage 1 (bf16 intermediates: stage-1 outputs agree to bf16 rounding plus tf32 dots)."""
+    check_chunk_intra(mode, lens, 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=len(lens) > 1,
+                      decay=decay, device="cuda", stage_tol=GPU_TOL)
 
 
 @cuda
-@pytest.mark.parametrize("cfg", [dict(sub_maxnreg=168),
-                                 dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)])
-def test_gpu_chunk_sub_variants(cfg):
-    """The sub path's register-capped / two-launch variants (spills, barriers across launches)."""
-    check_chunk_sub([1000, 37, 3000, 64], 40, 128, 128, bf16, GPU_TOL, 64, fused_gate=True,
-                    decay=8.0, device="cuda", stage_tol=GPU_TOL, sub_cfg=cfg)
+@pytest.mark.parametrize("mode,cfg", [
+    ("sub", dict(sub_maxnreg=168)),
+    ("sub", dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
+    ("split", dict(split_BK_a=16, split_warps_a=4, split_unroll=True)),
+    ("split", dict(split_inv_apart=False, split_maxnreg=168))])
+def test_gpu_chunk_intra_variants(mode, cfg):
+    """Launch variants: register caps, two launches of the sub path, the split path's blocks."""
+    check_chunk_intra(mode, [1000, 37, 3000, 64], 40, 128, 128, bf16, GPU_TOL, 64,
+                      fused_gate=True, decay=8.0, device="cuda", stage_tol=GPU_TOL, cfg=cfg)
 
 
 @cuda

@@ -1,17 +1,19 @@
 """Chunked KDA prefill: `chunk_kda` (fla's signature for the subset Volundr needs).
 
 Two launches (plus a tiny host-built chunk map for varlen batches):
-1. `_chunk_kda_intra_kernel` (chunk_intra.py), grid (chunks, H): all chunk-local work, fully
-   parallel: w, u, qg, kg, Aqk and the chunk decay.
+1. stage 1 (below: three implementations), all chunk-local work, fully parallel: w, u, qg, kg,
+   Aqk and the chunk decay.
 2. `_chunk_kda_fwd_kernel` below, grid (V / BV, N * H): walks the chunks of one sequence in order,
    carrying a [K, BV] slice of the state in registers; per chunk
        U = u - w S,   o = qg S + Aqk U,   S = diag(2^G_last) S + kg^T U.
    The output is formed here, so the per-chunk states never go to memory unless asked for
    (`return_chunk_states`, for prefix caching).
-Stage 1 has two implementations with the same outputs: "sub" (`_chunk_kda_intra_sub_kernel`,
-chunk_intra_sub.py: 16-row sub-chunk tiles and fp32 scratch; the default since the H200 run of
-2026-12-03: prefill at T = 32K 8.66 vs 11.21 ms, 1.29x) and "fused" (`_chunk_kda_intra_kernel`,
-full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;
+Stage 1 has three implementations with the same outputs: "split" (chunk_intra_split.py: the
+sub kernel's phase 0, one one-warp program per 16-row block-row, the sub kernel's phase 3 with
+a block inverse; the default since H200 runs 35-36 of 2026-12-04: prefill at T = 32K 6.94 ms
+vs 8.69 for "sub"), "sub" (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: one program per
+chunk, 16-row sub-chunk tiles and fp32 scratch; 8.66 vs 11.21 ms for "fused" in run 6) and
+"fused" (`_chunk_kda_intra_kernel`, full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;
 CONFIG["intra"] can be changed at run time (tests, benchmarks).
 """
 
@@ -24,13 +26,14 @@ import triton
 import triton.language as tl
 
 from volundr.kernels.kda.chunk_intra import _chunk_kda_intra_kernel
+from volundr.kernels.kda.chunk_intra_split import _kda_intra_a_kernel
 from volundr.kernels.kda.chunk_intra_sub import _chunk_kda_intra_sub_kernel
 from volundr.kernels.kda.utils import chunk_maps, seq_bounds, token_strides
 
 # Launch settings, from perf/kernels/bench_kda.py --sweep on the H200 (T = 32K, H = 40).
 # fwd_BV None: 64, or 32 / 16 when that leaves too few programs. (fwd_stages=1 faulted there.)
 CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd_stages": 2,
-          "intra": os.environ.get("VOLUNDR_KDA_INTRA", "sub"),
+          "intra": os.environ.get("VOLUNDR_KDA_INTRA", "split"),
           # sub path: channel blocks of the A phase / of the w, qg, kg phase, value block of u,
           # warps (the sm_90 compile's register-spill-free choice; unmeasured)
           # maxnreg: None lets ptxas take 226 registers (no spills; 2 CTAs/SM); 168 gives 3 CTAs/SM
@@ -38,8 +41,15 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           "sub_BK1": 32, "sub_BK": 16, "sub_BV": 32, "sub_warps": 4, "sub_maxnreg": None,
           # sub_split: phases 0-2 and phase 3 (w, u, qg, kg) as two launches; phase 3 alone fits
           # 128 registers without spills (sub_maxnreg_wu), phases 0-2 168 with ~44 B of spills
-          "sub_split": False, "sub_maxnreg_wu": None}
-INTRA_MODES = ("fused", "sub")
+          "sub_split": False, "sub_maxnreg_wu": None,
+          # split path (chunk_intra_split.py): channel block and warps of the block-row kernel;
+          # channel / value blocks, warps and register cap of phase 0 and phase 3 (w, u)
+          "split_BK_a": 32, "split_warps_a": 1, "split_BK": 32, "split_BV": 32,
+          "split_warps": 4, "split_maxnreg": None, "split_unroll": False, "split_stages": 1,
+          # split_inv_apart: M = (I + Akk)^-1 in a launch of its own before phase 3 (which then
+          # fits 128 registers: run 36, T = 128K: 25.7 vs 26.9 ms)
+          "split_inv_apart": True}
+INTRA_MODES = ("fused", "sub", "split")
 
 
 @triton.jit(do_not_specialize=["NC"])
@@ -183,7 +193,7 @@ def chunk_kda(
         Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
         rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
         # sub_split: phases 0-2 and phase 3 as two launches (each its own register budget)
-        for phases in ((1, 2) if CONFIG["sub_split"] else (3,)):
+        for phases in ((3, 4) if CONFIG["sub_split"] else (7,)):
             _chunk_kda_intra_sub_kernel[(NT, H)](
                 q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
                 chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh,
@@ -192,8 +202,36 @@ def chunk_kda(
                 L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,
                 HAS_DT_BIAS=dt_bias is not None, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
                 PHASES=phases, num_warps=CONFIG["sub_warps"], num_stages=1,
-                **({"maxnreg": nreg} if (nreg := CONFIG["sub_maxnreg_wu" if phases == 2 else
+                **({"maxnreg": nreg} if (nreg := CONFIG["sub_maxnreg_wu" if phases == 4 else
                                                         "sub_maxnreg"]) else {}))
+    elif NT > 0 and mode == "split":
+        # scratch as "sub"; Ms holds per chunk X_i = (I + L_ii)^-1 on the diagonal blocks and
+        # Akk left of them. Phase 0 of the sub kernel (G, norms), the block-row kernel, the
+        # block inverse (M into Ms; or inside phase 3), the sub kernel's phase 3.
+        Gs = torch.empty(H, NT * BT, K, dtype=torch.float32, device=q.device)
+        Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
+        rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
+        flags = dict(USE_GATE=use_gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
+                     BETA_SIGMOID=use_beta_sigmoid_in_kernel)
+        sub = dict(H=H, K=K, V=V, BT=BT, BK=min(CONFIG["split_BK"], K),
+                   BK1=min(CONFIG["sub_BK1"], K), BV=min(CONFIG["split_BV"], V),
+                   L2NORM=use_qk_l2norm_in_kernel, **flags)
+        args = (q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
+                chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
+        _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=4, num_stages=1, **sub)
+        _kda_intra_a_kernel[(NT * (BT // 16), H)](
+            q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh,
+            H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
+            BETA_SIGMOID=use_beta_sigmoid_in_kernel, UNROLL=CONFIG["split_unroll"],
+            num_warps=CONFIG["split_warps_a"], num_stages=1)
+        nreg = CONFIG["split_maxnreg"]
+        if CONFIG["split_inv_apart"]:
+            _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8, num_warps=4, num_stages=1, **sub)
+        _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=4,
+                                             BLOCK_INV=not CONFIG["split_inv_apart"],
+                                             num_warps=CONFIG["split_warps"],
+                                             num_stages=CONFIG["split_stages"], **sub,
+                                             **({"maxnreg": nreg} if nreg else {}))
     elif NT > 0:
         _chunk_kda_intra_kernel[(NT, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, cu_seqlens, chunk_idx,

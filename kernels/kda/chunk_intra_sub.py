@@ -1,4 +1,5 @@
-"""KDA prefill, stage 1, sub-chunk variant (the default; VOLUNDR_KDA_INTRA=fused for the other).
+"""KDA prefill, stage 1, sub-chunk variant (VOLUNDR_KDA_INTRA=sub; its phases and helpers also
+serve the default "split" path, chunk_intra_split.py).
 
 Produces what `_chunk_kda_intra_kernel` (chunk_intra.py) produces for the recurrence kernel (w, u,
 qg, kg, Aqk in the same head-major slots, gl = 2^G_last; equal up to fp32 / tf32 rounding, tests
@@ -43,6 +44,23 @@ from volundr.kernels.kda.chunk_intra import _load_qkg
 
 
 @triton.jit
+def block_inverse(b_S, BT: tl.constexpr):
+    """M = (I + A)^-1 for a strictly lower [BT, BT] A (BT <= 64) given as S: the inverses X_i of
+    the 16 x 16 diagonal blocks of I + A on the diagonal, A itself left of them. With D =
+    blockdiag(X_i) and N the strictly block-lower part of A, I + A = (I + A_d)(I + D N) and
+    P = D N has P^(BT / 16) = 0, so M = (I + P)^-1 D = (I - P)(I + P^2) D: four [BT, BT] dots
+    (fp32 accuracy on the tensor cores: tf32x3) instead of a block-by-block substitution."""
+    o_t = tl.arange(0, BT)
+    blk_r, blk_c = (o_t // 16)[:, None], (o_t // 16)[None, :]
+    b_D = tl.where(blk_r == blk_c, b_S, 0.0)
+    b_P = tl.dot(b_D, tl.where(blk_r > blk_c, b_S, 0.0), input_precision="tf32x3")
+    b_Q = tl.dot(b_P, b_P, input_precision="tf32x3")
+    b_Q += (o_t[:, None] == o_t[None, :]).to(tl.float32)
+    b_R = b_Q - tl.dot(b_P, b_Q, input_precision="tf32x3")
+    return tl.dot(b_R, b_D, input_precision="tf32x3")
+
+
+@triton.jit
 def _sub_tiles(q, k, Gs_c, t0, r0, m_r, i_h, i_k, T, s_qt, s_qh, K: tl.constexpr,
                BK: tl.constexpr, LOAD_Q: tl.constexpr = True):
     """q, k (fp32, rows past the sequence end zeroed) and G (scratch) for chunk rows r0 .. r0 + 15
@@ -62,16 +80,121 @@ def _sub_tiles(q, k, Gs_c, t0, r0, m_r, i_h, i_k, T, s_qt, s_qh, K: tl.constexpr
     return b_q, b_k, b_G
 
 
+@triton.jit
+def _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, b, K: tl.constexpr):
+    """Level b of `_diag_levels`: the pairs whose rows first differ in bit b."""
+    r16 = tl.arange(0, 16)
+    anchor = r0 + (r16 // (2 * b)) * (2 * b) + b
+    b_Ga = tl.load(Gs_c + anchor[:, None] * K + o_k1[None, :], mask=(o_k1 < K)[None, :], other=0.0)
+    odd = ((r16 // b) % 2) == 1
+    # one exp per element: odd-half rows 2^(G - Ga), even-half rows 2^(Ga - G)
+    b_ex = tl.exp2(tl.where(odd[:, None], b_Gi - b_Ga, b_Ga - b_Gi))
+    b_kj = tl.trans(tl.where(odd[:, None], 0.0, b_ex * b_ki))
+    b_et = tl.where(odd[:, None], b_ex, 0.0)
+    same = (r16[:, None] // (2 * b)) == (r16[None, :] // (2 * b))
+    b_Aq += tl.where(same, tl.dot(b_qi * b_et, b_kj), 0.0)
+    b_Ak += tl.where(same, tl.dot(b_ki * b_et, b_kj), 0.0)
+    return b_Aq, b_Ak
+
+
+@triton.jit
+def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr, UNROLL: tl.constexpr = False):
+    """The 16 x 16 diagonal block of rows r0 .. r0 + 15 (Aqk with t >= j, Akk unmasked) for the
+    channels o_k1: the t == j terms plus levels b = 8, 4, 2, 1, where a pair (t, j) is split at the
+    highest bit in which t and j differ and both factors 2^(G_t - G_a), 2^(G_a - G_j) around the
+    anchor row a are <= 1. Anchor rows are read back from the G scratch (an L1 hit).
+    UNROLL: the four levels unrolled (their loads issued together; more registers)."""
+    r16 = tl.arange(0, 16)
+    b_dg = tl.sum(b_qi * b_ki, axis=1)
+    b_Aq = tl.where(r16[:, None] == r16[None, :], b_dg[:, None], 0.0)
+    b_Ak = tl.zeros([16, 16], dtype=tl.float32)
+    if UNROLL:
+        for lvl in tl.static_range(4):
+            b_Aq, b_Ak = _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, 8 >> lvl, K)
+    else:  # dynamic: in the one-program kernel every level's loads got hoisted (no registers)
+        for lvl in range(4):
+            b_Aq, b_Ak = _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, 8 >> lvl, K)
+    return b_Aq, b_Ak
+
+
+@triton.jit
+def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T, s_qt, s_qh,
+               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK1: tl.constexpr,
+               BETA_SIGMOID: tl.constexpr, UNROLL: tl.constexpr = False):
+    """Block-row i (chunk rows 16 i .. 16 i + 15) of Aqk and Akk: stores Aqk's blocks (zeros
+    right of the diagonal) and Akk's blocks left of the diagonal to Ms; returns Akk's diagonal
+    block (strictly lower, beta and norms applied)."""
+    r16 = tl.arange(0, 16)
+    r_i = i * 16 + r16                                   # chunk rows of sub-chunk i
+    m_i = (t0 + r_i) < eos
+    b_rqi = tl.load(rn + (row0 + r_i) * 2)
+    b_rki = tl.load(rn + (row0 + r_i) * 2 + 1)
+    b_bi = tl.load(beta + (t0 + r_i) * H + i_h, mask=m_i, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_bi = tl.where(m_i, tl.sigmoid(b_bi), 0.0)
+    b_Aq = tl.zeros([16, 16], dtype=tl.float32)
+    b_Ak = tl.zeros([16, 16], dtype=tl.float32)
+    for i_k1 in range((K + BK1 - 1) // BK1):
+        b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt, s_qh, K,
+                                      BK1)
+        o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
+        b_dq, b_dk = _diag_levels(b_qi, b_ki, b_Gi, Gs_c, i * 16, o_k1, K, UNROLL)
+        b_Aq += b_dq
+        b_Ak += b_dk
+    b_Aq = tl.where(r16[:, None] >= r16[None, :], b_Aq, 0.0)
+    b_Aq = b_Aq * (b_rqi * scale)[:, None] * b_rki[None, :]
+    b_Ak = tl.where(r16[:, None] > r16[None, :], b_Ak, 0.0)
+    b_Ak = b_Ak * (b_bi * b_rki)[:, None] * b_rki[None, :]
+    p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16),
+                            (1, 0))
+    tl.store(p_A, b_Aq.to(Aqk.dtype.element_ty))
+    # blocks right of the diagonal: Aqk must hold zeros there (Ms is masked on read)
+    for jj in range(i + 1, BT // 16):
+        p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
+                                (16, 16), (1, 0))
+        tl.store(p_A, tl.zeros([16, 16], dtype=Aqk.dtype.element_ty))
+    # blocks left of the diagonal, anchored at the first row n of sub-chunk i
+    for jj in range(i):
+        m_j = (t0 + jj * 16 + r16) < eos
+        b_rkj = tl.load(rn + (row0 + jj * 16 + r16) * 2 + 1)
+        b_Lq = tl.zeros([16, 16], dtype=tl.float32)
+        b_Lk = tl.zeros([16, 16], dtype=tl.float32)
+        for i_k1 in range((K + BK1 - 1) // BK1):
+            b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt,
+                                          s_qh, K, BK1)
+            o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
+            b_Gn = tl.load(Gs_c + (i * 16) * K + o_k1, mask=o_k1 < K, other=0.0)
+            b_en = tl.exp2(b_Gi - b_Gn[None, :])
+            _, b_kx, b_Gj = _sub_tiles(q, k, Gs_c, t0, jj * 16, m_j, i_h, i_k1, T, s_qt,
+                                       s_qh, K, BK1, LOAD_Q=False)
+            b_kjt = tl.trans(b_kx * tl.exp2(b_Gn[None, :] - b_Gj))
+            b_Lq += tl.dot(b_qi * b_en, b_kjt)
+            b_Lk += tl.dot(b_ki * b_en, b_kjt)
+        b_Lq = b_Lq * (b_rqi * scale)[:, None] * b_rkj[None, :]
+        b_Lk = b_Lk * (b_bi * b_rki)[:, None] * b_rkj[None, :]
+        p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
+                                (16, 16), (1, 0))
+        tl.store(p_A, b_Lq.to(Aqk.dtype.element_ty))
+        p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, jj * 16), (16, 16), (1, 0))
+        tl.store(p_L, b_Lk)
+    return b_Ak
+
+
 @triton.jit(do_not_specialize=["T", "NC"])
 def _chunk_kda_intra_sub_kernel(
     q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens, chunk_idx,
     scale, T, NC, s_qt, s_qh, s_vt, s_vh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BK1: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, PHASES: tl.constexpr = 3,
+    HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, PHASES: tl.constexpr = 7,
+    BLOCK_INV: tl.constexpr = False,
 ):
-    """PHASES: 3 = all four phases in one launch; 1 = phases 0-2 only, 2 = phase 3 only (two
-    launches, each with its own register budget; the scratch carries everything between them)."""
+    """PHASES, bits: 1 = phase 0, 2 = phases 1-2, 4 = phase 3, 8 = M = `block_inverse` of Ms in
+    place (7: all in one launch; 3 then 4: two launches, each with its own register budget; the
+    scratch carries everything between them; 1, chunk_intra_split.py's kernel, then 4 with
+    BLOCK_INV or 8 then 4: the split path).
+    BLOCK_INV: phase 3 finds M from Ms holding X_i = (I + L_ii)^-1 on the diagonal blocks and
+    Akk left of them (see chunk_intra_split.py) instead of reading M."""
     NS: tl.constexpr = BT // 16
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_idx + 2 * i_c)
@@ -109,76 +232,13 @@ def _chunk_kda_intra_sub_kernel(
         tl.store(rn + (row0 + o_t) * 2 + 1, b_rk)
         tl.debug_barrier()  # Gs / rn written by all threads before anyone reads them back
 
-        # ---- phase 1: block-rows of Aqk and Akk
+    if PHASES & 2:
+        # ---- phase 1: block-rows of Aqk and Akk (Akk's diagonal blocks to Ms as they are)
         for i in range(NS):
-            r_i = i * 16 + r16                                   # chunk rows of sub-chunk i
-            m_i = (t0 + r_i) < eos
-            b_rqi = tl.load(rn + (row0 + r_i) * 2)
-            b_rki = tl.load(rn + (row0 + r_i) * 2 + 1)
-            b_bi = tl.load(beta + (t0 + r_i) * H + i_h, mask=m_i, other=0.0).to(tl.float32)
-            if BETA_SIGMOID:
-                b_bi = tl.where(m_i, tl.sigmoid(b_bi), 0.0)
-            b_Aq = tl.zeros([16, 16], dtype=tl.float32)
-            b_Ak = tl.zeros([16, 16], dtype=tl.float32)
-            for i_k1 in range((K + BK1 - 1) // BK1):
-                b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt, s_qh,
-                                              K, BK1)
-                o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
-                # diagonal term t == j (no decay)
-                b_dg = tl.sum(b_qi * b_ki, axis=1)
-                b_Aq += tl.where(r16[:, None] == r16[None, :], b_dg[:, None], 0.0)
-                for lvl in range(4):  # dynamic: unrolled, every level's loads get hoisted
-                    b = 8 >> lvl
-                    anchor = i * 16 + (r16 // (2 * b)) * (2 * b) + b
-                    b_Ga = tl.load(Gs_c + anchor[:, None] * K + o_k1[None, :],
-                                   mask=(o_k1 < K)[None, :], other=0.0)
-                    odd = ((r16 // b) % 2) == 1
-                    # one exp per element: odd-half rows 2^(G - Ga), even-half rows 2^(Ga - G)
-                    b_ex = tl.exp2(tl.where(odd[:, None], b_Gi - b_Ga, b_Ga - b_Gi))
-                    b_kj = tl.trans(tl.where(odd[:, None], 0.0, b_ex * b_ki))
-                    b_et = tl.where(odd[:, None], b_ex, 0.0)
-                    same = (r16[:, None] // (2 * b)) == (r16[None, :] // (2 * b))
-                    b_Aq += tl.where(same, tl.dot(b_qi * b_et, b_kj), 0.0)
-                    b_Ak += tl.where(same, tl.dot(b_ki * b_et, b_kj), 0.0)
-            b_Aq = tl.where(r16[:, None] >= r16[None, :], b_Aq, 0.0)
-            b_Aq = b_Aq * (b_rqi * scale)[:, None] * b_rki[None, :]
-            b_Ak = tl.where(r16[:, None] > r16[None, :], b_Ak, 0.0)
-            b_Ak = b_Ak * (b_bi * b_rki)[:, None] * b_rki[None, :]
-            p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16),
-                                    (1, 0))
-            tl.store(p_A, b_Aq.to(Aqk.dtype.element_ty))
+            b_L = _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T,
+                             s_qt, s_qh, H, K, BT, BK1, BETA_SIGMOID)
             p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
-            tl.store(p_L, b_Ak)
-            # blocks right of the diagonal: Aqk must hold zeros there (Ms is masked on read)
-            for jj in range(i + 1, NS):
-                p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
-                                        (16, 16), (1, 0))
-                tl.store(p_A, tl.zeros([16, 16], dtype=Aqk.dtype.element_ty))
-            # blocks left of the diagonal, anchored at the first row n of sub-chunk i
-            for jj in range(i):
-                m_j = (t0 + jj * 16 + r16) < eos
-                b_rkj = tl.load(rn + (row0 + jj * 16 + r16) * 2 + 1)
-                b_Aq = tl.zeros([16, 16], dtype=tl.float32)
-                b_Ak = tl.zeros([16, 16], dtype=tl.float32)
-                for i_k1 in range((K + BK1 - 1) // BK1):
-                    b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt,
-                                                  s_qh, K, BK1)
-                    o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
-                    b_Gn = tl.load(Gs_c + (i * 16) * K + o_k1, mask=o_k1 < K, other=0.0)
-                    b_en = tl.exp2(b_Gi - b_Gn[None, :])
-                    _, b_kx, b_Gj = _sub_tiles(q, k, Gs_c, t0, jj * 16, m_j, i_h, i_k1, T, s_qt,
-                                               s_qh, K, BK1, LOAD_Q=False)
-                    b_kjt = tl.trans(b_kx * tl.exp2(b_Gn[None, :] - b_Gj))
-                    b_Aq += tl.dot(b_qi * b_en, b_kjt)
-                    b_Ak += tl.dot(b_ki * b_en, b_kjt)
-                b_Aq = b_Aq * (b_rqi * scale)[:, None] * b_rkj[None, :]
-                b_Ak = b_Ak * (b_bi * b_rki)[:, None] * b_rkj[None, :]
-                p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
-                                        (16, 16), (1, 0))
-                tl.store(p_A, b_Aq.to(Aqk.dtype.element_ty))
-                p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, jj * 16), (16, 16),
-                                        (1, 0))
-                tl.store(p_L, b_Ak)
+            tl.store(p_L, b_L)
         tl.debug_barrier()  # Akk complete in Ms
 
         # ---- phase 2: M = (I + Akk)^-1, block-row by block-row, in place
@@ -207,7 +267,11 @@ def _chunk_kda_intra_sub_kernel(
             tl.store(Ms_c + r_i[:, None] * BT + o_t[None, :], b_Mi)
             tl.debug_barrier()  # M_i visible to the next block-rows and to phase 3
 
-    if PHASES & 2:
+    if PHASES & 8:
+        p_S = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
+        tl.store(p_S, block_inverse(tl.load(p_S), BT))
+
+    if PHASES & 4:
         # ---- phase 3: w, qg, kg, the chunk decay 2^G_last, u
         # (block pointers: per-element 64-bit pointer tensors cost two registers an element)
         # per-row vectors are re-read here rather than kept live through phases 1-2 (in the [BT, BK]
@@ -219,6 +283,8 @@ def _chunk_kda_intra_sub_kernel(
             b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
         p_M = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
         b_M = tl.load(p_M)
+        if BLOCK_INV:
+            b_M = block_inverse(b_M, BT)
         for i_k in range((K + BK - 1) // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K

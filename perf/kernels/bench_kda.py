@@ -13,13 +13,14 @@ Medians of `triton.testing.do_bench`. Writes kda_bench.{json,csv,png} under --ou
     python perf/kernels/bench_kda.py --out "$OUT" --decode-only [--decode 1,16] [--fused-variants]
     python perf/kernels/bench_kda.py --out /tmp/x --decode-only --smoke  # CPU: decode path check
     python perf/kernels/bench_kda.py --out "$OUT" --intra-compare [--intra-T 4096,32768]
-        [--sub-variants] [--no-fla]
+        [--sub-variants] [--split-variants] [--no-fla]
     python perf/kernels/bench_kda.py --out /tmp/x --intra-compare --sub-variants --smoke  # CPU
 
---intra-compare: our prefill with each stage-1 implementation (chunk.CONFIG["intra"]: "fused",
-the default, and "sub", VOLUNDR_KDA_INTRA=sub) and fla's, checked against each other (and against
+--intra-compare: our prefill with each stage-1 implementation (chunk.CONFIG["intra"], as
+VOLUNDR_KDA_INTRA: "fused", "sub", "split") and fla's, checked against each other (and against
 the fp32 naive reference at the first T) before timing, plus a per-kernel profile at the last T.
---sub-variants also times the sub path's launch settings (SUB_VARIANTS, one compile each) there.
+--sub-variants / --split-variants also time that path's launch settings (VARIANTS, one compile
+each) there.
 --smoke runs it at tiny shapes under TRITON_INTERPRET=1 (re-executing itself with it set) so a
 script error shows up without a GPU.
 """
@@ -159,7 +160,7 @@ def breakdown(T: int, log, impls=None) -> None:
         log(dict(kind="breakdown", impl=name, T=T, kernels_ms=ev))
 
 
-def intra_compare(Ts, log, smoke: bool = False, variants: bool = False,
+def intra_compare(Ts, log, smoke: bool = False, variants: tuple[str, ...] = (),
                   use_fla: bool = True) -> list[dict]:
     """Prefill ms per stage-1 implementation (and fla's), each checked before it is timed."""
     modes = ours_chunk.INTRA_MODES
@@ -200,38 +201,48 @@ def intra_compare(Ts, log, smoke: bool = False, variants: bool = False,
             if "fla" in outs:
                 r["fla_ms"] = one_ms(lambda x=x: prefill_call(fla_kda, x), smoke)
                 r["fla_over_sub"] = r["fla_ms"] / r["sub_ms"]
+                r["fla_over_split"] = r["fla_ms"] / r["split_ms"]
             r["fused_over_sub"] = r["fused_ms"] / r["sub_ms"]
             rows.append(log(r))
             del outs
             if not smoke:
                 torch.cuda.empty_cache()
         if variants and rows and rows[-1]["ok"]:
-            sub_variants(Ts[-1], log, smoke)
+            for mode in variants:
+                mode_variants(Ts[-1], log, smoke, mode)
         if not smoke and rows and rows[-1]["ok"]:
             for mode in modes:  # where the time goes, per kernel, at the last T
                 ours_chunk.CONFIG["intra"] = mode
                 breakdown(Ts[-1], log, impls=((f"ours_{mode}", ours_chunk),))
+            if fla_kda is not None and use_fla:
+                breakdown(Ts[-1], log, impls=(("fla", fla_kda),))
     finally:
         ours_chunk.CONFIG["intra"] = saved
     return rows
 
 
-# launch settings of the sub path tried at the last T (the default first); each checked against
-# the default stage 1 before it is timed
-SUB_VARIANTS = [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
-                {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
-                {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}]
+# launch settings of the sub and split paths tried at the last T (the default first); each
+# checked against the fused stage 1 before it is timed
+VARIANTS = {
+    "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
+            {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
+            {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
+    "split": [{}, {"split_inv_apart": True}, {"split_inv_apart": True, "split_maxnreg": 128},
+              {"split_inv_apart": True, "split_maxnreg": 168},
+              {"split_inv_apart": True, "split_maxnreg": 128, "split_BK": 16, "split_BV": 16},
+              {"split_maxnreg": 168}, {"split_warps_a": 2}],
+}
 
 
-def sub_variants(T: int, log, smoke: bool) -> None:
+def mode_variants(T: int, log, smoke: bool, mode: str) -> None:
     x = inputs(1, T)
     base = dict(ours_chunk.CONFIG)
     ours_chunk.CONFIG["intra"] = "fused"
     o0, s0 = prefill_call(ours_chunk, x)
     try:
-        for cfg in SUB_VARIANTS:
-            ours_chunk.CONFIG.update(base, intra="sub", **cfg)
-            r = dict(kind="sub_variant", T=T, cfg=cfg)
+        for cfg in VARIANTS[mode]:
+            ours_chunk.CONFIG.update(base, intra=mode, **cfg)
+            r = dict(kind=f"{mode}_variant", T=T, cfg=cfg)
             try:
                 o, s_ = prefill_call(ours_chunk, x)
                 r["rel_o_vs_fused"], r["rel_state_vs_fused"] = rel(o, o0), rel(s_, s0)
@@ -412,6 +423,8 @@ def main() -> None:
     ap.add_argument("--intra-T", default="4096,32768")
     ap.add_argument("--sub-variants", action="store_true",
                     help="with --intra-compare: also time the sub path's launch-setting variants")
+    ap.add_argument("--split-variants", action="store_true",
+                    help="with --intra-compare: also time the split path's launch settings")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out (it autotunes: slow)")
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode measurements (no prefill), then stop")
@@ -442,12 +455,15 @@ def main() -> None:
              time=time.strftime("%Y-%m-%d %H:%M:%S")))
     if args.intra_compare:
         Ts = [100, 200] if args.smoke else [int(t) for t in args.intra_T.split(",")]
-        rows = intra_compare(Ts, log, args.smoke, args.sub_variants, not args.no_fla)
-        print("intra-compare:  T  fused_ms  sub_ms  fla_ms  fused/sub  ok")
+        variants = tuple(m for m, on in (("sub", args.sub_variants),
+                                          ("split", args.split_variants)) if on)
+        rows = intra_compare(Ts, log, args.smoke, variants, not args.no_fla)
+        print("intra-compare:  T  fused_ms  sub_ms  split_ms  fla_ms  fla/split  ok")
+        nan = float("nan")
         for r in rows:
-            print(f'{r["T"]:>8} {r.get("fused_ms", float("nan")):8.3f} '
-                  f'{r.get("sub_ms", float("nan")):8.3f} {r.get("fla_ms", float("nan")):8.3f} '
-                  f'{r.get("fused_over_sub", float("nan")):6.2f} {r["ok"]}')
+            print(f'{r["T"]:>8} {r.get("fused_ms", nan):8.3f} {r.get("sub_ms", nan):8.3f} '
+                  f'{r.get("split_ms", nan):8.3f} {r.get("fla_ms", nan):8.3f} '
+                  f'{r.get("fla_over_split", nan):6.2f} {r["ok"]}')
         return
     if args.sweep:  # in its own process: a crash here must not take the measurements with it
         decode_sweep(log)
