@@ -1,6 +1,6 @@
-"""Plots of the recorded H200 runs (perf/results/): end-to-end decode per run and the batch-1
-GEMV and 2-16 row GEMM comparisons (FMA / tl.dot tile path vs tensor-core path). Needs
-matplotlib (not a project dependency).
+"""Plots of the recorded H200 runs (perf/results/): end-to-end decode per run, the batch-1
+GEMV and 2-16 row GEMM comparisons (FMA / tl.dot tile path vs tensor-core path) and KDA
+prefill per stage-1 implementation against fla. Needs matplotlib (not a project dependency).
 
     python perf/plot_results.py
 """
@@ -103,7 +103,27 @@ def plot_gemm16(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_kda_prefill(out: Path) -> None:
+    """Prefill time per token of each stage-1 implementation and of fla's chunk_kda (run 37)."""
+    rows = [json.loads(line) for line in
+            (HERE / "results" / "kda_intra_run37.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind") == "intra_compare"]
+    Ts = [r["T"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in ("fused", "sub", "split", "fla"):
+        ax.plot(Ts, [r[f"{name}_ms"] * 1e3 / r["T"] for r in rows], "o-",
+                label="fla chunk_kda" if name == "fla" else f"ours, stage 1 {name!r}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T (one sequence, H = 40, K = V = 128)")
+    ax.set_ylabel("us per token (lower is better)")
+    ax.set_title("KDA prefill (chunk_kda) on the H200, run 37")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
+    plot_kda_prefill(HERE / "kda_prefill_h200.png")
     plot_decode(HERE / "decode_h200.png")
     plot_gemv(HERE / "gemv_tc_h200.png")
     plot_gemm16(HERE / "gemm16_tc_h200.png")

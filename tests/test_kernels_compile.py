@@ -143,8 +143,8 @@ def compile_all() -> list[str]:
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
 
-    # KDA: conv, recurrent (decode and short varlen), chunked prefill (both chunk-local stages,
-    # the opt-in one split in two launches too); raw gates in the kernels
+    # KDA: conv, recurrent (decode and short varlen), chunked prefill (every stage-1
+    # implementation, the sub one in two launches too); raw gates in the kernels
     from volundr.kernels.kda import chunk
 
     H, K = 40, 128
@@ -245,7 +245,7 @@ def test_kernels_compile_for_sm90(pdl):
                 "_prefill_kernel", "_fused_recurrent_kda_kernel", "_conv_seq_kernel",
                 "_kda_decode_kernel",
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
-                "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel", "_kda_intra_solve_kernel",
+                "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel",
                 "quant_matmul_kernel",
                 "dequant_kernel", "gemv_tc_kernel"}
     assert expected <= names, f"not compiled: {expected - names}"

@@ -55,14 +55,22 @@ def check_pair(d: int, k: int, bits: tuple[int, int], g: int, device, seed: int,
         extra = dict(gscale=(gs, EPS))
     r = torch.randn(1, d, generator=gen, device=device).to(bf)
     w = (torch.rand(d, generator=gen, device=device) + 0.5).to(bf)
-    h_ref = (naive_quant_matmul(x, *qp, bits[0], g, k).to(bf) + r)
+    y_ref = naive_quant_matmul(x, *qp, bits[0], g, k).to(bf)
+    h_ref = y_ref + r
     h = torch.full((1, d), float("nan"), device=device, dtype=bf)
     xw = torch.full_like(h, float("nan"))
     ss = torch.full((tiles(d, kw.get("reps", 4), kw.get("num_warps", 1)),), float("nan"),
                     device=device)
     gemv_tc(xin, *qp, bits[0], g, out=h, residual=(r, w, xw, ss), **extra, **kw)
-    # (the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest)
-    assert _rel(h, h_ref) < (4e-3 if device == "cuda" else 1e-2), "h"
+    if device == "cuda":
+        assert _rel(h, h_ref) < 4e-3, "h"
+    else:  # the interpreter truncates fp32 -> bf16 (y, then y + r) where the GPU rounds to
+        # nearest: up to 3 bf16 ulps of the larger of y and h per element are that, and only
+        # the error beyond them counts (a plain norm-relative bound failed when one element
+        # dominated the norm and its two truncations added up)
+        mag = torch.maximum(y_ref.abs(), h_ref.abs()).float()
+        excess = ((h.float() - h_ref.float()).abs() - mag * 3 * 2.0 ** -7).clamp_min(0)
+        assert excess.norm() < 1e-2 * h_ref.float().norm(), "h"
     xw_ref = (h.float() * w.float()).to(bf)
     assert torch.equal(xw, xw_ref) if device == "cuda" else _rel(xw, xw_ref) < 8e-3, "h w"
     assert abs(ss.sum().item() / h.float().pow(2).sum().item() - 1) < 1e-4, "sum of h^2"

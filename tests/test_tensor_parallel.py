@@ -200,3 +200,22 @@ def test_tp2_carries_input_embeddings_to_the_workers(tiny):
         finally:
             engine.close()
     assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_tp2_nccl_equals_tp1(tiny):
+    """--tp 2 over two GPUs (NCCL, the Triton kernels on each rank's shard) == one GPU."""
+    rng = random.Random(7)
+    ps = [[rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))] for _ in range(4)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [(f"r{i}", p, greedy) for i, p in enumerate(ps)]
+    arrivals = [0, 0, 1, 3]
+    one_engine = make_engine(tiny, 1, device="cuda")
+    one = run_all(one_engine, reqs, arrivals)
+    engine = make_engine(tiny, 2, device="cuda")
+    try:
+        assert engine.runner.model.model.layers[0].kda.H == 2  # really split
+        many = run_all(engine, reqs, arrivals)
+    finally:
+        engine.close()
+    assert many == one and all(len(v) == 12 for v in one.values())

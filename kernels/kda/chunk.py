@@ -47,8 +47,8 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           "split_BK_a": 32, "split_warps_a": 1, "split_BK": 32, "split_BV": 32,
           "split_warps": 4, "split_maxnreg": None, "split_unroll": False, "split_stages": 1,
           # split_inv_apart: M = (I + Akk)^-1 in a launch of its own before phase 3 (which then
-          # fits 128 registers: run 36, T = 128K: 25.7 vs 26.9 ms)
-          "split_inv_apart": True}
+          # fits 128 registers: run 36, T = 128K: 25.7 vs 26.9 ms); warps of phase 0 / of it
+          "split_inv_apart": True, "split_warps_0": 4, "split_warps_inv": 4}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -218,7 +218,8 @@ def chunk_kda(
                    L2NORM=use_qk_l2norm_in_kernel, **flags)
         args = (q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
                 chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
-        _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=4, num_stages=1, **sub)
+        _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=CONFIG["split_warps_0"],
+                                             num_stages=1, **sub)
         _kda_intra_a_kernel[(NT * (BT // 16), H)](
             q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh,
             H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
@@ -226,7 +227,9 @@ def chunk_kda(
             num_warps=CONFIG["split_warps_a"], num_stages=1)
         nreg = CONFIG["split_maxnreg"]
         if CONFIG["split_inv_apart"]:
-            _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8, num_warps=4, num_stages=1, **sub)
+            _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8,
+                                                 num_warps=CONFIG["split_warps_inv"],
+                                                 num_stages=1, **sub)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=4,
                                              BLOCK_INV=not CONFIG["split_inv_apart"],
                                              num_warps=CONFIG["split_warps"],

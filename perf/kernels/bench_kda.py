@@ -157,7 +157,10 @@ def breakdown(T: int, log, impls=None) -> None:
             torch.cuda.synchronize()
         ev = {e.key: round(e.device_time_total / 3 / 1000, 4) for e in prof.key_averages()
               if e.device_time_total > 0}
-        log(dict(kind="breakdown", impl=name, T=T, kernels_ms=ev))
+        # every launch of the last call in order (kernels that share a name apart)
+        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        last = [(e.name[:40], round(e.device_time / 1000, 4)) for e in kern[-len(kern) // 3:]]
+        log(dict(kind="breakdown", impl=name, T=T, kernels_ms=ev, launches_ms=last))
 
 
 def intra_compare(Ts, log, smoke: bool = False, variants: tuple[str, ...] = (),
@@ -227,10 +230,8 @@ VARIANTS = {
     "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
             {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
-    "split": [{}, {"split_inv_apart": True}, {"split_inv_apart": True, "split_maxnreg": 128},
-              {"split_inv_apart": True, "split_maxnreg": 168},
-              {"split_inv_apart": True, "split_maxnreg": 128, "split_BK": 16, "split_BV": 16},
-              {"split_maxnreg": 168}, {"split_warps_a": 2}],
+    "split": [{}, {"split_warps_0": 2}, {"split_warps_0": 8}, {"split_warps_inv": 8},
+              {"split_maxnreg": 96}, {"split_warps": 8}, {"split_BK_a": 16}],
 }
 
 
