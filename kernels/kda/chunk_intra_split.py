@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from volundr.kernels.kda.chunk_intra_sub import _block_row
+from volundr.kernels.kda.chunk_intra_sub import _block_row, inverse16
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -48,13 +48,6 @@ def _kda_intra_a_kernel(
     Ms_c = Ms + row0 * BT
     b_L = _block_row(q, k, beta, Aqk, Ms_c, Gs + row0 * K, rn, t0, eos, row0, i, i_h, scale, T,
                      s_qt, s_qh, H, K, BT, BK, BETA_SIGMOID, UNROLL)
-    # X = (I + L)^-1, L = the beta-scaled strictly lower Akk block: L^16 = 0
-    r16 = tl.arange(0, 16)
-    b_X = (r16[:, None] == r16[None, :]).to(tl.float32) - b_L
-    b_P = tl.dot(b_L, b_L, input_precision="ieee")
-    for s in tl.static_range(3):
-        b_X += tl.dot(b_X, b_P, input_precision="ieee")
-        if s < 2:
-            b_P = tl.dot(b_P, b_P, input_precision="ieee")
+    # X = (I + L)^-1, L = the beta-scaled strictly lower Akk block
     p_X = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
-    tl.store(p_X, b_X)
+    tl.store(p_X, inverse16(b_L))

@@ -44,6 +44,20 @@ from volundr.kernels.kda.chunk_intra import _load_qkg
 
 
 @triton.jit
+def inverse16(b_L):
+    """(I + L)^-1 for a strictly lower 16 x 16 L: (I - L)(I + L^2)(I + L^4)(I + L^8), exact
+    since L^16 = 0; six dependent fp32 FMA dots ("ieee")."""
+    r16 = tl.arange(0, 16)
+    b_X = (r16[:, None] == r16[None, :]).to(tl.float32) - b_L
+    b_P = tl.dot(b_L, b_L, input_precision="ieee")
+    for s in tl.static_range(3):
+        b_X += tl.dot(b_X, b_P, input_precision="ieee")
+        if s < 2:
+            b_P = tl.dot(b_P, b_P, input_precision="ieee")
+    return b_X
+
+
+@triton.jit
 def block_inverse(b_S, BT: tl.constexpr):
     """M = (I + A)^-1 for a strictly lower [BT, BT] A (BT <= 64) given as S: the inverses X_i of
     the 16 x 16 diagonal blocks of I + A on the diagonal, A itself left of them. With D =
@@ -249,13 +263,7 @@ def _chunk_kda_intra_sub_kernel(
             # (each a cross-warp reduction). fp32 FMA dots ("ieee"); entries of L^8 stay <= C(15, 7)
             # for |L| <= 1, so nothing overflows.
             p_Ld = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
-            b_Ld = tl.where(r16[:, None] > r16[None, :], tl.load(p_Ld), 0.0)
-            b_X = (r16[:, None] == r16[None, :]).to(tl.float32) - b_Ld
-            b_P = tl.dot(b_Ld, b_Ld, input_precision="ieee")
-            for s in tl.static_range(3):
-                b_X += tl.dot(b_X, b_P, input_precision="ieee")
-                if s < 2:
-                    b_P = tl.dot(b_P, b_P, input_precision="ieee")
+            b_X = inverse16(tl.where(r16[:, None] > r16[None, :], tl.load(p_Ld), 0.0))
             # M_i = X (E_i - sum_{m < i} L_im M_m): block-rows m < i of Ms already hold M
             b_R = (o_t[None, :] == (i * 16 + r16)[:, None]).to(tl.float32)
             for m in range(i):
