@@ -377,8 +377,7 @@ INTERPRETER_CASES = {
                                                     False, cfg=dict(split_BK_a=32, split_BV=16,
                                                                     split_inv_apart=False)),
     "split_chunk32_fp16": lambda: check_chunk_intra("split", [100], 1, 64, 32, f16, 5e-3, 32,
-                                                    False, cfg=dict(split_BK_a=8,
-                                                                    split_unroll=True)),
+                                                    False, cfg=dict(split_BK_a=8)),
     "split_chunk16_huge_decay_fp32":
         lambda: check_chunk_intra("split", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
     "split_chunk64_huge_decay_varlen_fp32":
@@ -468,8 +467,9 @@ def test_gpu_chunk_intra(mode, lens, decay):
 @pytest.mark.parametrize("mode,cfg", [
     ("sub", dict(sub_maxnreg=168)),
     ("sub", dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
-    ("split", dict(split_BK_a=16, split_warps_a=4, split_unroll=True)),
-    ("split", dict(split_inv_apart=False, split_maxnreg=168))])
+    ("split", dict(split_BK_a=16, split_warps_a=4)),
+    ("split", dict(split_inv_apart=False, split_maxnreg=168)),
+    ("split", dict(split_inv_prec="tf32"))])
 def test_gpu_chunk_intra_variants(mode, cfg):
     """Launch variants: register caps, two launches of the sub path, the split path's blocks."""
     check_chunk_intra(mode, [1000, 37, 3000, 64], 40, 128, 128, bf16, GPU_TOL, 64,

@@ -1,6 +1,6 @@
 """Chunked KDA prefill: `chunk_kda` (fla's signature for the subset Volundr needs).
 
-Two launches (plus a tiny host-built chunk map for varlen batches):
+Two stages (plus a tiny host-built chunk map for varlen batches):
 1. stage 1 (below: three implementations), all chunk-local work, fully parallel: w, u, qg, kg,
    Aqk and the chunk decay.
 2. `_chunk_kda_fwd_kernel` below, grid (V / BV, N * H): walks the chunks of one sequence in order,
@@ -10,8 +10,8 @@ Two launches (plus a tiny host-built chunk map for varlen batches):
    (`return_chunk_states`, for prefix caching).
 Stage 1 has three implementations with the same outputs: "split" (chunk_intra_split.py: the
 sub kernel's phase 0, one one-warp program per 16-row block-row, the sub kernel's phase 3 with
-a block inverse; the default since H200 runs 35-36 of 2026-12-04: prefill at T = 32K 6.94 ms
-vs 8.69 for "sub"), "sub" (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: one program per
+a block inverse; the default since H200 run 37 of 2026-12-04: prefill at T = 32K 6.71 ms vs
+8.78 for "sub"), "sub" (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: one program per
 chunk, 16-row sub-chunk tiles and fp32 scratch; 8.66 vs 11.21 ms for "fused" in run 6) and
 "fused" (`_chunk_kda_intra_kernel`, full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;
 CONFIG["intra"] can be changed at run time (tests, benchmarks).
@@ -45,10 +45,12 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # split path (chunk_intra_split.py): channel block and warps of the block-row kernel;
           # channel / value blocks, warps and register cap of phase 0 and phase 3 (w, u)
           "split_BK_a": 32, "split_warps_a": 1, "split_BK": 32, "split_BV": 32,
-          "split_warps": 4, "split_maxnreg": None, "split_unroll": False, "split_stages": 1,
+          "split_warps": 4, "split_maxnreg": None,
           # split_inv_apart: M = (I + Akk)^-1 in a launch of its own before phase 3 (which then
           # fits 128 registers: run 36, T = 128K: 25.7 vs 26.9 ms); warps of phase 0 / of it
-          "split_inv_apart": True, "split_warps_0": 4, "split_warps_inv": 4}
+          "split_inv_apart": True, "split_warps_0": 4, "split_warps_inv": 4,
+          # the inverse's dots: "tf32x3" (fp32 accuracy) or "tf32" (that of the w / u dots)
+          "split_inv_prec": "tf32x3"}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -215,7 +217,7 @@ def chunk_kda(
                      BETA_SIGMOID=use_beta_sigmoid_in_kernel)
         sub = dict(H=H, K=K, V=V, BT=BT, BK=min(CONFIG["split_BK"], K),
                    BK1=min(CONFIG["sub_BK1"], K), BV=min(CONFIG["split_BV"], V),
-                   L2NORM=use_qk_l2norm_in_kernel, **flags)
+                   L2NORM=use_qk_l2norm_in_kernel, INV_PREC=CONFIG["split_inv_prec"], **flags)
         args = (q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
                 chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=CONFIG["split_warps_0"],
@@ -223,8 +225,8 @@ def chunk_kda(
         _kda_intra_a_kernel[(NT * (BT // 16), H)](
             q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh,
             H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
-            BETA_SIGMOID=use_beta_sigmoid_in_kernel, UNROLL=CONFIG["split_unroll"],
-            num_warps=CONFIG["split_warps_a"], num_stages=1)
+            BETA_SIGMOID=use_beta_sigmoid_in_kernel, num_warps=CONFIG["split_warps_a"],
+            num_stages=1)
         nreg = CONFIG["split_maxnreg"]
         if CONFIG["split_inv_apart"]:
             _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8,
@@ -232,8 +234,8 @@ def chunk_kda(
                                                  num_stages=1, **sub)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=4,
                                              BLOCK_INV=not CONFIG["split_inv_apart"],
-                                             num_warps=CONFIG["split_warps"],
-                                             num_stages=CONFIG["split_stages"], **sub,
+                                             num_warps=CONFIG["split_warps"], num_stages=1,
+                                             **sub,
                                              **({"maxnreg": nreg} if nreg else {}))
     elif NT > 0:
         _chunk_kda_intra_kernel[(NT, H)](

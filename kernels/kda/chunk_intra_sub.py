@@ -58,20 +58,21 @@ def inverse16(b_L):
 
 
 @triton.jit
-def block_inverse(b_S, BT: tl.constexpr):
+def block_inverse(b_S, BT: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
     """M = (I + A)^-1 for a strictly lower [BT, BT] A (BT <= 64) given as S: the inverses X_i of
     the 16 x 16 diagonal blocks of I + A on the diagonal, A itself left of them. With D =
     blockdiag(X_i) and N the strictly block-lower part of A, I + A = (I + A_d)(I + D N) and
     P = D N has P^(BT / 16) = 0, so M = (I + P)^-1 D = (I - P)(I + P^2) D: four [BT, BT] dots
-    (fp32 accuracy on the tensor cores: tf32x3) instead of a block-by-block substitution."""
+    instead of a block-by-block substitution (PREC: fp32 accuracy on the tensor cores, tf32x3,
+    or one tf32 pass, the precision of the w / u dots that use M)."""
     o_t = tl.arange(0, BT)
     blk_r, blk_c = (o_t // 16)[:, None], (o_t // 16)[None, :]
     b_D = tl.where(blk_r == blk_c, b_S, 0.0)
-    b_P = tl.dot(b_D, tl.where(blk_r > blk_c, b_S, 0.0), input_precision="tf32x3")
-    b_Q = tl.dot(b_P, b_P, input_precision="tf32x3")
+    b_P = tl.dot(b_D, tl.where(blk_r > blk_c, b_S, 0.0), input_precision=PREC)
+    b_Q = tl.dot(b_P, b_P, input_precision=PREC)
     b_Q += (o_t[:, None] == o_t[None, :]).to(tl.float32)
-    b_R = b_Q - tl.dot(b_P, b_Q, input_precision="tf32x3")
-    return tl.dot(b_R, b_D, input_precision="tf32x3")
+    b_R = b_Q - tl.dot(b_P, b_Q, input_precision=PREC)
+    return tl.dot(b_R, b_D, input_precision=PREC)
 
 
 @triton.jit
@@ -112,29 +113,26 @@ def _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, b, K: tl.constexpr):
 
 
 @triton.jit
-def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr, UNROLL: tl.constexpr = False):
+def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr):
     """The 16 x 16 diagonal block of rows r0 .. r0 + 15 (Aqk with t >= j, Akk unmasked) for the
     channels o_k1: the t == j terms plus levels b = 8, 4, 2, 1, where a pair (t, j) is split at the
     highest bit in which t and j differ and both factors 2^(G_t - G_a), 2^(G_a - G_j) around the
-    anchor row a are <= 1. Anchor rows are read back from the G scratch (an L1 hit).
-    UNROLL: the four levels unrolled (their loads issued together; more registers)."""
+    anchor row a are <= 1. Anchor rows are read back from the G scratch (an L1 hit)."""
     r16 = tl.arange(0, 16)
     b_dg = tl.sum(b_qi * b_ki, axis=1)
     b_Aq = tl.where(r16[:, None] == r16[None, :], b_dg[:, None], 0.0)
     b_Ak = tl.zeros([16, 16], dtype=tl.float32)
-    if UNROLL:
-        for lvl in tl.static_range(4):
-            b_Aq, b_Ak = _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, 8 >> lvl, K)
-    else:  # dynamic: in the one-program kernel every level's loads got hoisted (no registers)
-        for lvl in range(4):
-            b_Aq, b_Ak = _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, 8 >> lvl, K)
+    # dynamic: unrolled, the one-program kernel hoisted every level's loads (no registers left);
+    # in the block-row kernel unrolled was slower too (H200 runs 34-35)
+    for lvl in range(4):
+        b_Aq, b_Ak = _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, 8 >> lvl, K)
     return b_Aq, b_Ak
 
 
 @triton.jit
 def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T, s_qt, s_qh,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK1: tl.constexpr,
-               BETA_SIGMOID: tl.constexpr, UNROLL: tl.constexpr = False):
+               BETA_SIGMOID: tl.constexpr):
     """Block-row i (chunk rows 16 i .. 16 i + 15) of Aqk and Akk: stores Aqk's blocks (zeros
     right of the diagonal) and Akk's blocks left of the diagonal to Ms; returns Akk's diagonal
     block (strictly lower, beta and norms applied)."""
@@ -152,7 +150,7 @@ def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T,
         b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt, s_qh, K,
                                       BK1)
         o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
-        b_dq, b_dk = _diag_levels(b_qi, b_ki, b_Gi, Gs_c, i * 16, o_k1, K, UNROLL)
+        b_dq, b_dk = _diag_levels(b_qi, b_ki, b_Gi, Gs_c, i * 16, o_k1, K)
         b_Aq += b_dq
         b_Ak += b_dk
     b_Aq = tl.where(r16[:, None] >= r16[None, :], b_Aq, 0.0)
@@ -201,14 +199,15 @@ def _chunk_kda_intra_sub_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BK1: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, PHASES: tl.constexpr = 7,
-    BLOCK_INV: tl.constexpr = False,
+    BLOCK_INV: tl.constexpr = False, INV_PREC: tl.constexpr = "tf32x3",
 ):
     """PHASES, bits: 1 = phase 0, 2 = phases 1-2, 4 = phase 3, 8 = M = `block_inverse` of Ms in
     place (7: all in one launch; 3 then 4: two launches, each with its own register budget; the
     scratch carries everything between them; 1, chunk_intra_split.py's kernel, then 4 with
     BLOCK_INV or 8 then 4: the split path).
     BLOCK_INV: phase 3 finds M from Ms holding X_i = (I + L_ii)^-1 on the diagonal blocks and
-    Akk left of them (see chunk_intra_split.py) instead of reading M."""
+    Akk left of them (see chunk_intra_split.py) instead of reading M. INV_PREC: the precision of
+    the block inverse's dots."""
     NS: tl.constexpr = BT // 16
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_idx + 2 * i_c)
@@ -277,7 +276,7 @@ def _chunk_kda_intra_sub_kernel(
 
     if PHASES & 8:
         p_S = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-        tl.store(p_S, block_inverse(tl.load(p_S), BT))
+        tl.store(p_S, block_inverse(tl.load(p_S), BT, INV_PREC))
 
     if PHASES & 4:
         # ---- phase 3: w, qg, kg, the chunk decay 2^G_last, u
@@ -292,7 +291,7 @@ def _chunk_kda_intra_sub_kernel(
         p_M = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
         b_M = tl.load(p_M)
         if BLOCK_INV:
-            b_M = block_inverse(b_M, BT)
+            b_M = block_inverse(b_M, BT, INV_PREC)
         for i_k in range((K + BK - 1) // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K

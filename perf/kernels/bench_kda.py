@@ -230,8 +230,9 @@ VARIANTS = {
     "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
             {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
-    "split": [{}, {"split_warps_0": 2}, {"split_warps_0": 8}, {"split_warps_inv": 8},
-              {"split_maxnreg": 96}, {"split_warps": 8}, {"split_BK_a": 16}],
+    "split": [{}, {"split_inv_prec": "tf32"}, {"split_inv_prec": "tf32", "split_warps_inv": 2},
+              {"split_inv_prec": "tf32", "split_inv_apart": False},
+              {"split_warps_0": 2}, {"split_BK_a": 16}],
 }
 
 
