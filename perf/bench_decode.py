@@ -25,7 +25,10 @@ per program; waves scaled to keep its splits; after it +wN sets waves N), +uncap
 cap on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM),
 +sN = the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages`
 of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself is per process
-(VOLUNDR_PDL).
+(VOLUNDR_PDL). +tpN runs the variant tensor parallel over N devices (volundr.distributed: one
+process per GPU, NCCL; decode without CUDA graphs, which TP does not capture yet: compare it
+with the same variant's eager rows, e.g. --variants mixed:16@8,mixed:16@8+tp2 without
+--no-eager; a budget G applies to each GPU).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
@@ -78,7 +81,8 @@ def copy_bandwidth(device: str, gib: float = 4.0) -> float:
 
 
 def device_weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of weights a decode step reads from device memory (host tables and MTP excluded)."""
+    """Bytes of weights a decode step reads from device memory (host tables and MTP excluded;
+    tensor parallel: rank 0's shard, what each GPU reads)."""
     m = engine.runner.model
 
     def size(mod) -> int:
@@ -315,26 +319,29 @@ def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
 
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
           device: str, gpu_gib: float | None = None, decode_steps: int = 1,
-          max_model_len: int = 4096) -> LLMEngine:
+          max_model_len: int = 4096, tp: int = 1) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
-    (a hard cap on the allocator from the engine's construction on)."""
+    (a hard cap on the allocator from the engine's construction on). tp > 1: the weights are
+    kept on the host, where rank 0 shards them for the ranks."""
     cfg = get_config(preset)
     if variant == "bf16":
         sd = random_state_dict(cfg, device, dtype=torch.bfloat16)
+        if tp > 1:
+            sd = {n: t.cpu() for n, t in sd.items()}
     else:
         q = mixed_quantization(cfg)  # linears too narrow for a quant group stay bf16 (tiny)
         shapes = {n.removesuffix(".weight"): t.shape for n, t in expected_tensors(cfg).items()}
         q = dataclasses.replace(q, bits={m: b for m, b in q.bits.items()
                                          if quantizable(shapes[m][1], q.group_size)})
         cfg = cfg.replace(quantization=q)
-        sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib else None)
+        sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib or tp > 1 else None)
     # KV pool: 4K tokens per sequence, at least one whole max_model_len sequence
     blocks = max(max_num_seqs * 4096, max_model_len) // 16
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=2048, max_model_len=max_model_len, block_size=16,
                         num_kv_blocks=blocks, cuda_graphs=graphs, gpu_gib=gpu_gib,
-                        decode_steps=decode_steps)
+                        decode_steps=decode_steps, tensor_parallel_size=tp)
     return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
 
 
@@ -392,6 +399,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     spec_main, *suffixes = spec.split("+")
     spec_bits, _, steps = spec_main.partition("@")
     variant, _, gib = spec_bits.partition(":")
+    tp = 1
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -428,15 +436,17 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         elif sfx == "uncap":  # no register cap on the batch-1 GEMV
             qengine.GEMV_TC_CONFIG = {b: {k: v for k, v in c.items() if k != "maxnreg"}
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
+        elif sfx[:2] == "tp" and sfx[2:].isdigit():  # tensor parallel over N devices
+            tp = int(sfx[2:])
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, stages=int(sfx[1:]))
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, lrfold, nolrfold, early, noearly, "
-                             "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN)")
+                             "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN, tpN)")
     try:
-        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda)
+        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp)
     finally:
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
@@ -444,18 +454,18 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          kengine.LOW_RANK_FOLD) = defaults
 
 
-def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]:
+def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list[dict]:
     out = []
     t = time.perf_counter()
     engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
-                   int(steps or 1), args.max_model_len)
+                   int(steps or 1), args.max_model_len, tp)
     wbytes = device_weight_bytes(engine)
     graphs = engine.runner.graphs
     built = {"build_s": time.perf_counter() - t,
              "gpu_mem_after_build_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
              "gpu_mem_peak_build_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
     prof_path = f"{args.profile_dir}/profiles.txt"  # all variants: few files come back
-    if args.profile_dir and cuda:
+    if args.profile_dir and cuda and tp == 1:  # the profiles see rank 0 only
         os.makedirs(args.profile_dir, exist_ok=True)
         with open(prof_path, "a") as f:
             f.write(f"\n######## {spec}\n")
@@ -473,7 +483,7 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda) -> list[dict]
         engine.runner.graphs = graphs if use_graphs else None
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        entry = {"variant": spec, "cuda_graphs": use_graphs, "gpu_gib": gib or None,
+        entry = {"variant": spec, "cuda_graphs": use_graphs, "gpu_gib": gib or None, "tp": tp,
                  **built, "gpu_weight_GB": wbytes / 1e9,
                  "byte_limit_tok_per_s": hbm_copy_GBps * 1e9 / wbytes}
         decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
