@@ -189,11 +189,13 @@ def chunk_kda(
     if mode not in INTRA_MODES:
         raise ValueError(f"VOLUNDR_KDA_INTRA / CONFIG['intra'] must be one of {INTRA_MODES}, "
                          f"got {mode!r}")
-    if NT > 0 and mode == "sub":
-        # fp32 scratch, one chunk's worth per program: G, M = (I + Akk)^-1, row norms of q, k
+    if NT > 0 and mode in ("sub", "split"):
+        # fp32 scratch, one chunk's worth per program: G, M = (I + Akk)^-1 (split: first the
+        # X_i = (I + L_ii)^-1 on the diagonal blocks and Akk left of them), row norms of q, k
         Gs = torch.empty(H, NT * BT, K, dtype=torch.float32, device=q.device)
         Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
         rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
+    if NT > 0 and mode == "sub":
         # sub_split: phases 0-2 and phase 3 as two launches (each its own register budget)
         for phases in ((3, 4) if CONFIG["sub_split"] else (7,)):
             _chunk_kda_intra_sub_kernel[(NT, H)](
@@ -207,12 +209,8 @@ def chunk_kda(
                 **({"maxnreg": nreg} if (nreg := CONFIG["sub_maxnreg_wu" if phases == 4 else
                                                         "sub_maxnreg"]) else {}))
     elif NT > 0 and mode == "split":
-        # scratch as "sub"; Ms holds per chunk X_i = (I + L_ii)^-1 on the diagonal blocks and
-        # Akk left of them. Phase 0 of the sub kernel (G, norms), the block-row kernel, the
-        # block inverse (M into Ms; or inside phase 3), the sub kernel's phase 3.
-        Gs = torch.empty(H, NT * BT, K, dtype=torch.float32, device=q.device)
-        Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
-        rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
+        # phase 0 of the sub kernel (G, norms), the block-row kernel, the block inverse (M into
+        # Ms; or inside phase 3), the sub kernel's phase 3
         flags = dict(USE_GATE=use_gate_in_kernel, HAS_DT_BIAS=dt_bias is not None,
                      BETA_SIGMOID=use_beta_sigmoid_in_kernel)
         sub = dict(H=H, K=K, V=V, BT=BT, BK=min(CONFIG["split_BK"], K),

@@ -96,23 +96,6 @@ def _sub_tiles(q, k, Gs_c, t0, r0, m_r, i_h, i_k, T, s_qt, s_qh, K: tl.constexpr
 
 
 @triton.jit
-def _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, b, K: tl.constexpr):
-    """Level b of `_diag_levels`: the pairs whose rows first differ in bit b."""
-    r16 = tl.arange(0, 16)
-    anchor = r0 + (r16 // (2 * b)) * (2 * b) + b
-    b_Ga = tl.load(Gs_c + anchor[:, None] * K + o_k1[None, :], mask=(o_k1 < K)[None, :], other=0.0)
-    odd = ((r16 // b) % 2) == 1
-    # one exp per element: odd-half rows 2^(G - Ga), even-half rows 2^(Ga - G)
-    b_ex = tl.exp2(tl.where(odd[:, None], b_Gi - b_Ga, b_Ga - b_Gi))
-    b_kj = tl.trans(tl.where(odd[:, None], 0.0, b_ex * b_ki))
-    b_et = tl.where(odd[:, None], b_ex, 0.0)
-    same = (r16[:, None] // (2 * b)) == (r16[None, :] // (2 * b))
-    b_Aq += tl.where(same, tl.dot(b_qi * b_et, b_kj), 0.0)
-    b_Ak += tl.where(same, tl.dot(b_ki * b_et, b_kj), 0.0)
-    return b_Aq, b_Ak
-
-
-@triton.jit
 def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr):
     """The 16 x 16 diagonal block of rows r0 .. r0 + 15 (Aqk with t >= j, Akk unmasked) for the
     channels o_k1: the t == j terms plus levels b = 8, 4, 2, 1, where a pair (t, j) is split at the
@@ -125,7 +108,18 @@ def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr):
     # dynamic: unrolled, the one-program kernel hoisted every level's loads (no registers left);
     # in the block-row kernel unrolled was slower too (H200 runs 34-35)
     for lvl in range(4):
-        b_Aq, b_Ak = _level(b_Aq, b_Ak, b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, 8 >> lvl, K)
+        b = 8 >> lvl
+        anchor = r0 + (r16 // (2 * b)) * (2 * b) + b
+        b_Ga = tl.load(Gs_c + anchor[:, None] * K + o_k1[None, :], mask=(o_k1 < K)[None, :],
+                       other=0.0)
+        odd = ((r16 // b) % 2) == 1
+        # one exp per element: odd-half rows 2^(G - Ga), even-half rows 2^(Ga - G)
+        b_ex = tl.exp2(tl.where(odd[:, None], b_Gi - b_Ga, b_Ga - b_Gi))
+        b_kj = tl.trans(tl.where(odd[:, None], 0.0, b_ex * b_ki))
+        b_et = tl.where(odd[:, None], b_ex, 0.0)
+        same = (r16[:, None] // (2 * b)) == (r16[None, :] // (2 * b))
+        b_Aq += tl.where(same, tl.dot(b_qi * b_et, b_kj), 0.0)
+        b_Ak += tl.where(same, tl.dot(b_ki * b_et, b_kj), 0.0)
     return b_Aq, b_Ak
 
 
