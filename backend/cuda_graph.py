@@ -26,9 +26,14 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, max_bs: int,
-                 max_blocks: int, max_model_len: int, scratch_slot: int):
+                 max_blocks: int, max_model_len: int, scratch_slot: int, tp: bool = False):
+        """tp: a tensor-parallel rank; its graphs hold NCCL collectives (and rank > 0 captures
+        no logits: `run` returns None there)."""
         cfg = model.cfg
         self.model, self.max_bs, self.max_model_len = model, max_bs, max_model_len
+        # NCCL's watchdog thread queries events while a rank captures: only this thread's
+        # calls must be capture-safe.
+        self.mode = "thread_local" if tp else "global"
         self.scratch_slot = scratch_slot
         z = dict(device=device)
         self.slot_ids = torch.full((max_bs,), scratch_slot, dtype=torch.long, **z)
@@ -39,7 +44,7 @@ class CUDAGraphRunner:
         self.ngram_ids = torch.full((max_bs, cfg.engram.max_order), cfg.engram.pad_id,
                                     dtype=torch.long, **z)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor | None] = {}
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(capture_sizes(max_bs)):
             self._capture(bs)
@@ -64,7 +69,7 @@ class CUDAGraphRunner:
             self._step(b)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.mode):
             self.logits[bs] = self._step(b)
         torch.cuda.synchronize()
         self.graphs[bs] = g
@@ -75,8 +80,9 @@ class CUDAGraphRunner:
                 and b.ngram_ids.is_cuda)
 
     @torch.inference_mode()
-    def run(self, b: ForwardBatch) -> torch.Tensor:
-        """Decode logits [N, vocab] (fp32) of the N sequences of `b`."""
+    def run(self, b: ForwardBatch) -> torch.Tensor | None:
+        """Decode logits [N, vocab] (fp32) of the N sequences of `b` (None on a tensor-parallel
+        rank > 0)."""
         n = b.num_seqs
         bs = next(s for s in sorted(self.graphs) if s >= n)
         self.slot_ids[:bs].fill_(self.scratch_slot)
@@ -90,4 +96,5 @@ class CUDAGraphRunner:
         self.ngram_ids[:bs].fill_(self.model.cfg.engram.pad_id)
         self.ngram_ids[:n] = b.ngram_ids
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        logits = self.logits[bs]
+        return None if logits is None else logits[:n]

@@ -9,8 +9,13 @@ samples. Workers never sample and keep no scheduler state.
 
 Weights: rank 0 slices the checkpoint (`shard_state_dict`) and hands each worker its shard as one
 flat buffer in shared memory (one file descriptor per worker, whatever the tensor count). The
-host lookup tables (token embedding, Engram tables) are moved to shared memory once and mapped
-by every rank: one copy in host memory for all ranks.
+host lookup tables (token embedding, Engram tables, a layer's tables back to back) are moved to
+shared memory once and mapped by every rank: one copy in host memory for all ranks; on CUDA
+each rank locks them in place (`engram.pin`) so that its GPU reads them as in one-GPU runs.
+
+Decode: every rank captures the same CUDA graphs (their collectives included) and replays them
+when rank 0's plan is a decode batch. Multi-token decode steps (`run_decode_steps`) feed the
+sampled token on the device: rank 0 samples and broadcasts it, every rank shifts it in.
 
 Failures: a worker that raises reports its traceback to rank 0 and exits; before each step rank
 0 checks that every worker lives, and a collective with a dead peer fails (gloo notices the
@@ -89,6 +94,20 @@ def batch_from_plan(plan: list[tuple]) -> list[ScheduledSeq]:
 
 
 # ---- weights in shared memory ---------------------------------------------------------------
+def share_host_tables(cfg: VolundrConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The host tables in shared memory, once for all ranks; each Engram layer's J tables lie
+    back to back in one buffer (the layout of its GPU lookup, `engram.pinned_tables`)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in cfg.engram.layers:
+        names = [f"model.layers.{i}.engram.tables.{j}" for j in range(cfg.engram.num_tables)]
+        buf = torch.cat([sd[n].to("cpu") for n in names]).share_memory_()
+        out.update(zip(names, buf.split([sd[n].shape[0] for n in names])))
+    for n in host_tensor_names(cfg):
+        if n not in out:
+            out[n] = sd[n].to("cpu").contiguous().share_memory_()
+    return out
+
+
 def pack(sd: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple]]:
     """One flat uint8 buffer (64-byte aligned entries) + its index [(name, dtype, shape, off)]."""
     index, off = [], 0
@@ -139,8 +158,17 @@ def _worker_main(rank: int, tp: int, port: int, cfg: VolundrConfig, runner_kw: d
                              tp_size=tp, **runner_kw)
         del host, buf
         conn.send(("ready", rank))
-        while (plan := conn.recv()) is not None:
-            runner.run(batch_from_plan(plan))
+        graphs = runner.graphs
+        while (msg := conn.recv()) is not None:
+            if msg[0] == "graphs":  # rank 0 switched decode to eager or back (benchmarks)
+                runner.graphs = graphs if msg[1] else None
+                continue
+            _, plan, steps = msg
+            batch = batch_from_plan(plan)
+            if steps == 1:
+                runner.run(batch)
+            else:
+                runner.run_decode_steps(batch, steps)
     except EOFError:  # rank 0 went away
         os._exit(0)
     except BaseException:
@@ -158,7 +186,7 @@ class TensorParallelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
                  block_size: int, seed: int = 0, max_model_len: int = 2048, tp: int = 2,
-                 gpu_budget_gib: float | None = None):
+                 gpu_budget_gib: float | None = None, cuda_graphs: bool = True):
         check_tp(cfg, tp)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: "
@@ -173,9 +201,8 @@ class TensorParallelRunner:
         self.max_order = cfg.engram.max_order
         runner_kw = dict(dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, seed=seed, max_model_len=max_model_len,
-                         gpu_budget_gib=gpu_budget_gib)
-        host = {n: state_dict[n].to("cpu").contiguous().share_memory_()
-                for n in host_tensor_names(cfg)}
+                         gpu_budget_gib=gpu_budget_gib, cuda_graphs=cuda_graphs)
+        host = share_host_tables(cfg, state_dict)
         compute = {n: t for n, t in state_dict.items() if n not in host}
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
@@ -215,7 +242,6 @@ class TensorParallelRunner:
             raise
         self.model, self.states, self.prepare = self.runner.model, self.runner.states, \
             self.runner.prepare
-        self.graphs = None  # TP decode runs eagerly (no CUDA graphs yet)
         if device.type == "cuda":
             threading.Thread(target=_watch, args=(self.procs, self._finalizer), daemon=True,
                              name="volundr-tp-watch").start()
@@ -266,14 +292,35 @@ class TensorParallelRunner:
 
     # ---- the step -------------------------------------------------------------------------
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
+        return self._step(batch, 1)
+
+    def run_decode_steps(self, batch: list[ScheduledSeq], steps: int) -> list[list[int]]:
+        return self._step(batch, steps)
+
+    def _step(self, batch: list[ScheduledSeq], steps: int):
         self.check()
-        plan = make_plan(batch, self.max_order)
+        msg = ("run", make_plan(batch, self.max_order), steps)
         try:
             for c in self.conns:
-                c.send(plan)
-            return self.runner.run(batch)
+                c.send(msg)
+            if steps == 1:
+                return self.runner.run(batch)
+            return self.runner.run_decode_steps(batch, steps)
         except Exception as e:
             raise self._fail("during a step") from e
+
+    @property
+    def graphs(self):
+        """Rank 0's CUDAGraphRunner (None: decode runs eagerly)."""
+        return self.runner.graphs
+
+    @graphs.setter
+    def graphs(self, g) -> None:
+        """Benchmarks switch decode to eager (None) and back (the value read before); every
+        rank follows, so that the collectives stay in step."""
+        self.runner.graphs = g
+        for c in self.conns:
+            c.send(("graphs", g is not None))
 
     def close(self) -> None:
         self._finalizer()

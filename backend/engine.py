@@ -63,7 +63,8 @@ class LLMEngine:
             self.runner = TensorParallelRunner(
                 cfg, state_dict, torch.device(ecfg.device), ecfg.dtype, ecfg.max_num_seqs,
                 ecfg.num_kv_blocks, ecfg.block_size, ecfg.seed, ecfg.max_model_len,
-                tp=ecfg.tensor_parallel_size, gpu_budget_gib=ecfg.gpu_gib)
+                tp=ecfg.tensor_parallel_size, gpu_budget_gib=ecfg.gpu_gib,
+                cuda_graphs=ecfg.cuda_graphs)
         else:
             self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
@@ -121,9 +122,9 @@ class LLMEngine:
         if not batch:
             return []
         steps = self._decode_steps(batch)
-        if steps > 1:
-            return self._postprocess_steps(batch, self.runner.run_decode_steps(batch, steps))
         try:
+            if steps > 1:
+                return self._postprocess_steps(batch, self.runner.run_decode_steps(batch, steps))
             tokens = self.runner.run(batch)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
             for rid in list(self.requests):
@@ -139,7 +140,7 @@ class LLMEngine:
         sch = self.scheduler
         admissible = (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
                       and self.slots.num_free > 0)  # a new request would join next step
-        if k <= 1 or admissible or not isinstance(self.runner, ModelRunner):
+        if k <= 1 or admissible:
             return 1
         for item in batch:
             s = item.seq

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
@@ -46,19 +47,21 @@ class ModelRunner:
 
             state_dict = dict(state_dict)
             apply_quantization(model, cfg, state_dict, device)
-        # TP ranks share the host tables (one copy in shared memory): no per-rank pinned copy.
-        model.load_weights(state_dict, device, dtype, pin_host=tp_size == 1)
+        # TP ranks share the host tables (one copy in shared memory), each locks them in place.
+        model.load_weights(state_dict, device, dtype)
         self.model = model.eval()
         self.sampler = Sampler(device, seed)
         self._allocate_caches()
         self.graphs = None
-        if cuda_graphs and device.type == "cuda" and tp_size == 1:  # TP decode runs eagerly
+        if cuda_graphs and device.type == "cuda":
+            # With TP every rank captures the same sizes in the same order at the same time:
+            # the graphs hold the NCCL collectives, and the ranks replay them in step.
             from volundr.cuda_graph import CUDAGraphRunner
 
             try:
                 self.graphs = CUDAGraphRunner(
                     self.model, device, dtype, num_slots, -(-max_model_len // block_size),
-                    max_model_len, scratch_slot=num_slots)
+                    max_model_len, scratch_slot=num_slots, tp=tp_size > 1)
             except RuntimeError as e:  # an op without a capturable kernel: run eagerly
                 warnings.warn(f"CUDA graphs disabled, decode runs eagerly: {e}", stacklevel=2)
                 for t in self.states:
@@ -178,7 +181,10 @@ class ModelRunner:
                 logits = self.graphs.run(b)
             else:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
-            toks[j] = self.sampler.sample(logits, seqs)
+            if logits is not None:  # rank 0 (tensor parallel: the others got None)
+                toks[j] = self.sampler.sample(logits, seqs)
+            if self.tp.size > 1:  # the next step's input, which every rank's lookups read
+                dist.broadcast(toks[j], src=0)
         return toks.tolist()
 
     @torch.inference_mode()
@@ -192,11 +198,12 @@ class ModelRunner:
         b = self.prepare(batch)
         sampling = [item.seq for item in batch if item.samples]
         if self.graphs is not None and self.graphs.can_run(b):
-            return self.sampler(self.graphs.run(b), sampling)
-        hidden = self.model(b)
-        if not sampling:
-            return []
-        logits = self.model.compute_logits(hidden[b.logits_indices])
+            logits = self.graphs.run(b)
+        else:
+            hidden = self.model(b)
+            if not sampling:
+                return []
+            logits = self.model.compute_logits(hidden[b.logits_indices])
         if logits is None:  # a tensor-parallel worker: rank 0 gathered the logits and samples
             return []
         return self.sampler(logits, sampling)

@@ -26,9 +26,9 @@ cap on the GEMV, +tcminN = the tensor-core paths from N input / output features 
 +sN = the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages`
 of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself is per process
 (VOLUNDR_PDL). +tpN runs the variant tensor parallel over N devices (volundr.distributed: one
-process per GPU, NCCL; decode without CUDA graphs, which TP does not capture yet: compare it
-with the same variant's eager rows, e.g. --variants mixed:16@8,mixed:16@8+tp2 without
---no-eager; a budget G applies to each GPU).
+process per GPU, NCCL, every rank replaying its decode graphs; a budget G applies to each GPU;
+no graph_ms: rank 0's graph alone would wait for the other ranks' collectives), e.g.
+--variants mixed:16@8,mixed:16@8+tp2.
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
@@ -140,7 +140,7 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> 
 def graph_ms(engine: LLMEngine, bs: int, reps: int = 50) -> float | None:
     """GPU time of one captured decode step of batch `bs` (replays back to back)."""
     graphs = engine.runner.graphs
-    if graphs is None or bs not in graphs.graphs:
+    if graphs is None or bs not in graphs.graphs or engine.ecfg.tensor_parallel_size > 1:
         return None
     g = graphs.graphs[bs]
     g.replay()

@@ -17,10 +17,12 @@ import torch
 
 from volundr.config import ConfigError
 from volundr.converter.presets import get_config, random_state_dict
-from volundr.distributed import WorkerError
+from volundr.distributed import WorkerError, share_host_tables
 from volundr.engine import EngineConfig, LLMEngine
 from volundr.model import VolundrForCausalLM
+from volundr.model.engram import back_to_back
 from volundr.model.parallel import TP, shard_rule, shard_state_dict
+from volundr.model.weights import host_tensor_names
 from volundr.sampling_params import SamplingParams
 
 EOS = (2, 0)
@@ -85,6 +87,19 @@ def test_shards_reassemble_and_fit_the_rank_model(tiny, tp):
         assert got == own  # every parameter present, at the rank's shape
 
 
+def test_host_tables_shared_once_engram_layers_back_to_back(tiny):
+    # The layout lets every CUDA rank lock a layer's tables in place as one lookup buffer.
+    cfg, sd = tiny
+    host = share_host_tables(cfg, sd)
+    assert set(host) == set(host_tensor_names(cfg)) and cfg.engram.layers
+    assert all(t.is_shared() and torch.equal(t, sd[n]) for n, t in host.items())
+    for i in cfg.engram.layers:
+        names = [f"model.layers.{i}.engram.tables.{j}" for j in range(cfg.engram.num_tables)]
+        whole = back_to_back([host[n] for n in names])
+        assert whole is not None and torch.equal(whole, torch.cat([sd[n] for n in names]))
+        assert back_to_back([sd[n] for n in names]) is None  # separate tensors: copied
+
+
 def test_sizes_that_do_not_split_are_named(tiny):
     cfg, sd = tiny
     with pytest.raises(ConfigError, match="num_attention_heads=4.*num_key_value_heads=2"):
@@ -93,8 +108,9 @@ def test_sizes_that_do_not_split_are_named(tiny):
         make_engine(tiny, 3)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_greedy_ids_equal_one_device(tiny, tp):
+@pytest.mark.parametrize("tp,steps", [(2, 1), (4, 1), (2, 4)])
+def test_tp_greedy_ids_equal_one_device(tiny, tp, steps):
+    """steps > 1: multi-token decode steps, where rank 0 broadcasts each sampled token."""
     rng = random.Random(tp)
     ps = [[rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))] for _ in range(4)]
     greedy = SamplingParams(max_tokens=6 if tp == 4 else 12, temperature=0.0, ignore_eos=True)
@@ -102,10 +118,14 @@ def test_tp_greedy_ids_equal_one_device(tiny, tp):
     reqs = [(f"r{i}", p, seeded if i == 3 else greedy) for i, p in enumerate(ps)]
     arrivals = [0, 0, 1, 3]  # staggered: continuous batching, chunked prefill (24 tokens/step)
     one = run_all(make_engine(tiny, 1), reqs, arrivals)
-    engine = make_engine(tiny, tp)
+    engine = make_engine(tiny, tp, decode_steps=steps)
+    calls = []
+    multi = engine.runner.run_decode_steps
+    engine.runner.run_decode_steps = lambda b, k: calls.append(k) or multi(b, k)
     try:
         assert engine.runner.model.model.layers[0].kda.H == 4 // tp  # really split
         many = run_all(engine, reqs, arrivals)
+        assert (max(calls, default=1) > 1) == (steps > 1)  # multi-token steps ran
         assert engine.stats()["num_blocks_free"] == 160
     finally:
         engine.close()
@@ -123,7 +143,7 @@ def _kill_and_step(engine: LLMEngine, how: str) -> str:
     if how == "kill":
         os.kill(engine.runner.procs[0].pid, signal.SIGKILL)
     else:  # a plan naming a state slot that does not exist: the worker raises in its forward
-        engine.runner.conns[0].send([(99, [0], 0, 1, 0, [5], 1, {})])
+        engine.runner.conns[0].send(("run", [(99, [0], 0, 1, 0, [5], 1, {})], 1))
     with pytest.raises(WorkerError) as err:
         engine.step()
     assert not engine.has_unfinished()  # its requests failed and freed their blocks
@@ -203,19 +223,29 @@ def test_tp2_carries_input_embeddings_to_the_workers(tiny):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cuda_tp2_nccl_equals_tp1(tiny):
-    """--tp 2 over two GPUs (NCCL, the Triton kernels on each rank's shard) == one GPU."""
+@pytest.mark.parametrize("steps", [1, 4])
+def test_cuda_tp2_nccl_equals_tp1(tiny, steps):
+    """--tp 2 over two GPUs (NCCL, the Triton kernels on each rank's shard, the decode steps
+    replayed from every rank's CUDA graphs, the host tables read in place from shared memory)
+    == one GPU; steps = 4: multi-token decode steps, rank 0 broadcasting each sampled token."""
     rng = random.Random(7)
     ps = [[rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))] for _ in range(4)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(ps)]
     arrivals = [0, 0, 1, 3]
-    one_engine = make_engine(tiny, 1, device="cuda")
-    one = run_all(one_engine, reqs, arrivals)
-    engine = make_engine(tiny, 2, device="cuda")
+    one = run_all(make_engine(tiny, 1, device="cuda"), reqs, arrivals)
+    engine = make_engine(tiny, 2, device="cuda", decode_steps=steps)
     try:
-        assert engine.runner.model.model.layers[0].kda.H == 2  # really split
+        rank0 = engine.runner.runner
+        assert rank0.model.model.layers[0].kda.H == 2  # really split
+        assert rank0.graphs is not None, "graph capture failed"
+        tables = rank0.model.embed_tokens  # shared memory, locked in place by each rank
+        assert rank0.model.lookups_on_gpu and tables.is_shared() and tables.is_pinned()
+        replays = []
+        replay = rank0.graphs.run
+        rank0.graphs.run = lambda b: replays.append(b.num_seqs) or replay(b)
         many = run_all(engine, reqs, arrivals)
+        assert replays  # decode ran from the graphs
     finally:
         engine.close()
     assert many == one and all(len(v) == 12 for v in one.values())

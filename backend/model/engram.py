@@ -14,6 +14,7 @@ copied. The hash math is volundr.kernels.engram.naive.engram_rows.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +37,53 @@ class LookupMeta:
     seeds: torch.Tensor
 
 
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """t in page-locked host memory, which the GPU reads in place: a pinned copy; or, for a
+    tensor in shared memory (the tables tensor-parallel ranks share), t itself, its storage
+    registered with CUDA in this process, so that host memory still holds one copy for all
+    ranks. The registration lasts as long as the process (the tables live as long)."""
+    if not t.is_shared():
+        return t.pin_memory()
+    if not t.is_pinned():
+        st = t.untyped_storage()
+        err = int(torch.cuda.cudart().cudaHostRegister(st.data_ptr(), st.nbytes(), 0))
+        if err:
+            warnings.warn(f"cudaHostRegister of a shared host table ({st.nbytes()} bytes) "
+                          f"failed (CUDA error {err}): this process pins a copy", stacklevel=2)
+            return t.pin_memory()
+    return t
+
+
+def back_to_back(tables: list[torch.Tensor]) -> torch.Tensor | None:
+    """[sum p_j, D]: the tables as one tensor when they already lie back to back in one storage
+    (volundr.distributed shares a layer's tables that way), else None."""
+    t0, end = tables[0], tables[0].data_ptr()
+    for t in tables:
+        if (not t.is_contiguous() or t.data_ptr() != end or t.shape[1:] != t0.shape[1:]
+                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()):
+            return None
+        end += t.numel() * t.element_size()
+    return t0.as_strided((sum(t.shape[0] for t in tables), t0.shape[1]), t0.stride())
+
+
 def pinned_tables(tables: list[torch.Tensor], e: EngramConfig,
                   device: torch.device) -> tuple[list[torch.Tensor], LookupMeta]:
-    """Copy the J tables into one pinned buffer; returns views of it (the tables the host path
-    reads) and the LookupMeta of the GPU lookup."""
+    """The J tables as one pinned buffer (a copy, or in place for tables in shared memory that
+    lie back to back); returns views of it (the tables the host path reads) and the LookupMeta
+    of the GPU lookup."""
     sizes = [t.shape[0] for t in tables]
-    buf = torch.empty(sum(sizes), tables[0].shape[1], dtype=tables[0].dtype, pin_memory=True)
-    views, off = [], 0
-    for t, p in zip(tables, sizes):
-        views.append(buf[off:off + p])
-        views[-1].copy_(t)
-        off += p
+    whole = back_to_back(tables) if tables[0].is_shared() else None
+    if whole is not None:
+        buf = pin(whole)
+        views = list(tables) if buf.data_ptr() == whole.data_ptr() else list(buf.split(sizes))
+    else:
+        buf = torch.empty(sum(sizes), tables[0].shape[1], dtype=tables[0].dtype,
+                          pin_memory=True)
+        views, off = [], 0
+        for t, p in zip(tables, sizes):
+            views.append(buf[off:off + p])
+            views[-1].copy_(t)
+            off += p
     offsets = torch.tensor([0] + sizes[:-1]).cumsum(0)
     orders = [n for n in e.ngram_orders for _ in range(e.heads_per_order)]
 

@@ -91,10 +91,18 @@ class ParallelLMHead(ColumnParallelLinear):
         local = F.linear(x, self.weight)  # [M, V / tp]
         if self.tp.size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 \
-            else None
-        dist.gather(local, parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        # An all-gather, not a gather to rank 0: NCCL all-gathers are captured in CUDA graphs
+        # (the decode step's), and the logits of a decode batch are small.
+        m, v = local.shape
+        parts = local.new_empty(self.tp.size * m, v)  # rank r's logits in rows [r*M, (r+1)*M)
+        _all_gather(parts, local.contiguous())
+        if self.tp.rank:
+            return None
+        return parts.view(self.tp.size, m, v).permute(1, 0, 2).reshape(m, -1)
+
+
+# torch 2.13 renamed all_gather_into_tensor (the GPU machine's torch 2.11 has the old name only)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ---- checkpoint sharding -------------------------------------------------------------------

@@ -19,7 +19,7 @@ from volundr import ops
 from volundr.config import VolundrConfig
 from volundr.model.attention import Attention
 from volundr.model.batch import ForwardBatch
-from volundr.model.engram import Engram, pinned_tables
+from volundr.model.engram import Engram, pin, pinned_tables
 from volundr.model.kda import KDA
 from volundr.model.layers import MLP, NextNorm, Normed, PreNorm, RMSNorm
 from volundr.model.parallel import TP, ParallelLMHead
@@ -121,25 +121,25 @@ class VolundrForCausalLM(nn.Module):
 
     # ---- weights ------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], device: torch.device,
-                     dtype: torch.dtype, pin_host: bool = True) -> None:
-        """Host tables go to host memory (pinned on CUDA unless `pin_host` is False, e.g. tables
-        that tensor-parallel ranks share); the rest becomes the parameters, assigned (not copied)
-        so a model built on `meta` never holds two copies.
+                     dtype: torch.dtype) -> None:
+        """Host tables go to host memory, page-locked on CUDA (`engram.pin`: tables in shared
+        memory, which tensor-parallel ranks share, are locked in place); the rest becomes the
+        parameters, assigned (not copied) so a model built on `meta` never holds two copies.
         Tensors already of the right dtype stay as they are (e.g. fp32 A_log is cast)."""
         sd = dict(state_dict)
-        pin = pin_host and device.type == "cuda"
+        locked = device.type == "cuda"
 
         def host(t: torch.Tensor) -> torch.Tensor:
             t = t.to("cpu")
-            return t.pin_memory() if pin else t
+            return pin(t) if locked else t
 
         self.embed_tokens = host(sd.pop("model.embed_tokens.weight"))
-        self._lookups_on_gpu = pin
+        self._lookups_on_gpu = locked
         for i in self.cfg.engram.layers:
             eng = self.model.layers[i].engram
             tables = [sd.pop(f"model.layers.{i}.engram.tables.{j}")
                       for j in range(self.cfg.engram.num_tables)]
-            if pin:  # one pinned buffer per layer, which the GPU lookup kernel reads in place
+            if locked:  # one pinned buffer per layer, which the GPU lookup kernel reads in place
                 eng.tables, eng.meta = pinned_tables(tables, self.cfg.engram, device)
             else:
                 eng.tables = [host(t) for t in tables]
