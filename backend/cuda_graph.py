@@ -77,7 +77,17 @@ class CUDAGraphRunner:
     def can_run(self, b: ForwardBatch) -> bool:
         """A decode step (one token per sequence, no image embeddings) of at most max_bs."""
         return (b.max_q_len == 1 and b.num_seqs <= self.max_bs and b.embeds is None
-                and b.ngram_ids.is_cuda)
+                and b.ngram_ids.is_cuda and bool(self.graphs))
+
+    def release(self) -> None:
+        """Destroys the graphs (idempotent; decode then runs eagerly). A tensor-parallel rank
+        must do this before it destroys its process group: NCCL's communicator teardown waits
+        until every graph that captured one of its collectives is gone (pytorch#115388)."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def run(self, b: ForwardBatch) -> torch.Tensor | None:

@@ -176,6 +176,8 @@ def _worker_main(rank: int, tp: int, port: int, cfg: VolundrConfig, runner_kw: d
             conn.send(("error", rank, traceback.format_exc()))
         finally:
             os._exit(1)  # no teardown: a collective may be stuck waiting for us
+    if graphs is not None:
+        graphs.release()  # before the process group: its teardown waits for them
     dist.destroy_process_group()
 
 
@@ -212,8 +214,10 @@ class TensorParallelRunner:
             # Embedded interpreters (Triton's Python backend stub) report their host binary.
             ctx.set_executable(os.path.join(sys.exec_prefix, "bin", "python3"))
         self.procs, self.conns = [], []
+        self._graphs: list = []  # rank 0's CUDAGraphRunner, released before the group
         threads = torch.get_num_threads()
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, threads)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, threads,
+                                           self._graphs)
         atexit.register(self._finalizer)  # before the multiprocessing atexit kills the workers
         try:
             for r in range(1, tp):
@@ -236,6 +240,8 @@ class TensorParallelRunner:
                                     rank=0, world_size=tp, timeout=timeout)
             self.runner = ModelRunner(cfg, {**host, **shard_state_dict(cfg, compute, 0, tp)},
                                       device, tp_rank=0, tp_size=tp, **runner_kw)
+            if self.runner.graphs is not None:
+                self._graphs.append(self.runner.graphs)
             self._wait_all("ready")
         except BaseException:
             self.close()
@@ -336,7 +342,7 @@ def _watch(procs: list, finalizer: weakref.finalize) -> None:
         dist.distributed_c10d._abort_process_group()
 
 
-def _shutdown(procs: list, conns: list, threads: int) -> None:
+def _shutdown(procs: list, conns: list, threads: int, graphs: list) -> None:
     for c in conns:
         try:
             c.send(None)
@@ -349,6 +355,8 @@ def _shutdown(procs: list, conns: list, threads: int) -> None:
             p.join(5)
     for c in conns:
         c.close()
+    for g in graphs:  # (whoever still holds them: the graphs are destroyed, not just dropped)
+        g.release()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
