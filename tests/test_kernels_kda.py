@@ -382,9 +382,6 @@ INTERPRETER_CASES = {
         lambda: check_chunk_intra("split", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
     "split_chunk64_huge_decay_varlen_fp32":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0),
-    "split_chunk64_left_blocks_varlen_fp32":  # blocks left of the diagonal one at a time
-        lambda: check_chunk_intra("split", [70, 33], 2, 32, 32, f32, 1e-4, 64, True,
-                                  cfg=dict(split_left_row=False)),
     "conv_decode": lambda: check_conv([1, 1, 1], 48, 4, True),
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
@@ -472,8 +469,7 @@ def test_gpu_chunk_intra(mode, lens, decay):
     ("sub", dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
     ("split", dict(split_BK_a=16, split_warps_a=4)),
     ("split", dict(split_inv_apart=False, split_maxnreg=168)),
-    ("split", dict(split_inv_prec="tf32")),
-    ("split", dict(split_left_row=False))])
+    ("split", dict(split_inv_prec="tf32"))])
 def test_gpu_chunk_intra_variants(mode, cfg):
     """Launch variants: register caps, two launches of the sub path, the split path's blocks."""
     check_chunk_intra(mode, [1000, 37, 3000, 64], 40, 128, 128, bf16, GPU_TOL, 64,

@@ -44,18 +44,13 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           "sub_split": False, "sub_maxnreg_wu": None,
           # split path (chunk_intra_split.py): channel block and warps of the block-row kernel;
           # channel / value blocks, warps and register cap of phase 0 and phase 3 (w, u)
-          "split_BK_a": 16, "split_warps_a": 1, "split_BK": 32, "split_BV": 32,
+          "split_BK_a": 32, "split_warps_a": 1, "split_BK": 32, "split_BV": 32,
           "split_warps": 4, "split_maxnreg": None,
           # split_inv_apart: M = (I + Akk)^-1 in a launch of its own before phase 3 (which then
           # fits 128 registers: run 36, T = 128K: 25.7 vs 26.9 ms); warps of phase 0 / of it
           "split_inv_apart": True, "split_warps_0": 4, "split_warps_inv": 4,
           # the inverse's dots: "tf32x3" (fp32 accuracy) or "tf32" (that of the w / u dots)
-          "split_inv_prec": "tf32x3",
-          # split_left_row: the block-row kernel makes the blocks left of the diagonal as one
-          # [16, BT] tile per channel block (else one [16, 16] block at a time, the sub kernel's;
-          # sm_90 compile, 1 warp: BK_a 16 145 registers, 32 255 + 480 B of spills; the blocks
-          # one at a time, BK_a 32: 213)
-          "split_left_row": True}
+          "split_inv_prec": "tf32x3"}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -228,8 +223,8 @@ def chunk_kda(
         _kda_intra_a_kernel[(NT * (BT // 16), H)](
             q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh,
             H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
-            BETA_SIGMOID=use_beta_sigmoid_in_kernel, LEFT_ROW=CONFIG["split_left_row"],
-            num_warps=CONFIG["split_warps_a"], num_stages=1)
+            BETA_SIGMOID=use_beta_sigmoid_in_kernel, num_warps=CONFIG["split_warps_a"],
+            num_stages=1)
         nreg = CONFIG["split_maxnreg"]
         if CONFIG["split_inv_apart"]:
             _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8,

@@ -35,7 +35,7 @@ from volundr.kernels.kda.chunk_intra_sub import _block_row, inverse16
 def _kda_intra_a_kernel(
     q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, T, NC, s_qt, s_qh,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, LEFT_ROW: tl.constexpr = True,
+    BETA_SIGMOID: tl.constexpr,
 ):
     NS: tl.constexpr = BT // 16
     i_ci, i_h = tl.program_id(0), tl.program_id(1)
@@ -47,7 +47,7 @@ def _kda_intra_a_kernel(
     row0 = (i_h * NC + i_c).to(tl.int64) * BT
     Ms_c = Ms + row0 * BT
     b_L = _block_row(q, k, beta, Aqk, Ms_c, Gs + row0 * K, rn, t0, eos, row0, i, i_h, scale, T,
-                     s_qt, s_qh, H, K, BT, BK, BETA_SIGMOID, LEFT_ROW)
+                     s_qt, s_qh, H, K, BT, BK, BETA_SIGMOID)
     # X = (I + L)^-1, L = the beta-scaled strictly lower Akk block
     p_X = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
     tl.store(p_X, inverse16(b_L))

@@ -126,16 +126,10 @@ def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr):
 @triton.jit
 def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T, s_qt, s_qh,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK1: tl.constexpr,
-               BETA_SIGMOID: tl.constexpr, LEFT_ROW: tl.constexpr = False):
+               BETA_SIGMOID: tl.constexpr):
     """Block-row i (chunk rows 16 i .. 16 i + 15) of Aqk and Akk: stores Aqk's blocks (zeros
     right of the diagonal) and Akk's blocks left of the diagonal to Ms; returns Akk's diagonal
-    block (strictly lower, beta and norms applied).
-    LEFT_ROW: the blocks left of the diagonal as one [16, BT] tile per channel block, in the
-    loop that makes the diagonal block (q_i, k_i, G_i loaded once); the rows of the chunk at
-    or past 16 i (or past the sequence end) are not loaded, zero padding. Else one [16, 16]
-    block at a time, q_i, k_i, G_i loaded again for each (the sub kernel's phase 1). Either
-    way one anchor, the first row n of sub-chunk i: (q_i 2^(G_i - G_n)) (k_j 2^(G_n - G_j))^T,
-    both factors <= 1 (j < n)."""
+    block (strictly lower, beta and norms applied)."""
     r16 = tl.arange(0, 16)
     r_i = i * 16 + r16                                   # chunk rows of sub-chunk i
     m_i = (t0 + r_i) < eos
@@ -146,10 +140,6 @@ def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T,
         b_bi = tl.where(m_i, tl.sigmoid(b_bi), 0.0)
     b_Aq = tl.zeros([16, 16], dtype=tl.float32)
     b_Ak = tl.zeros([16, 16], dtype=tl.float32)
-    b_Rq = tl.zeros([16, BT], dtype=tl.float32)  # LEFT_ROW: Aqk / Akk left of the diagonal
-    b_Rk = tl.zeros([16, BT], dtype=tl.float32)
-    # rows of the chunk left of sub-chunk i that belong to the sequence
-    n_left = tl.minimum(i * 16, eos - t0).to(tl.int32)
     for i_k1 in range((K + BK1 - 1) // BK1):
         b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt, s_qh, K,
                                       BK1)
@@ -157,68 +147,42 @@ def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T,
         b_dq, b_dk = _diag_levels(b_qi, b_ki, b_Gi, Gs_c, i * 16, o_k1, K)
         b_Aq += b_dq
         b_Ak += b_dk
-        if LEFT_ROW:
-            if i > 0:
-                b_Gn = tl.load(Gs_c + (i * 16) * K + o_k1, mask=o_k1 < K, other=0.0)
-                b_en = tl.exp2(b_Gi - b_Gn[None, :])
-                p_k = tl.make_block_ptr(k + t0 * s_qt + i_h * s_qh, (n_left, K), (s_qt, 1),
-                                        (0, i_k1 * BK1), (BT, BK1), (1, 0))
-                b_kj = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-                p_G = tl.make_block_ptr(Gs_c, (n_left, K), (K, 1), (0, i_k1 * BK1), (BT, BK1),
-                                        (1, 0))
-                b_Gj = tl.load(p_G, boundary_check=(0, 1), padding_option="zero")
-                # G_j >= G_n for j < n; padded rows: G = 0 >= G_n and k = 0
-                b_kjt = tl.trans(b_kj.to(tl.float32) * tl.exp2(b_Gn[None, :] - b_Gj))
-                b_Rq += tl.dot(b_qi * b_en, b_kjt)
-                b_Rk += tl.dot(b_ki * b_en, b_kjt)
     b_Aq = tl.where(r16[:, None] >= r16[None, :], b_Aq, 0.0)
     b_Aq = b_Aq * (b_rqi * scale)[:, None] * b_rki[None, :]
     b_Ak = tl.where(r16[:, None] > r16[None, :], b_Ak, 0.0)
     b_Ak = b_Ak * (b_bi * b_rki)[:, None] * b_rki[None, :]
-    if LEFT_ROW:
-        # the whole block-row (zeros from the diagonal block on), then the diagonal block over
-        # it after a barrier (another thread may hold the same element in the other layout)
-        b_rkt = tl.load(rn + (row0 + tl.arange(0, BT)) * 2 + 1)
-        p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, 0), (16, BT),
-                                (1, 0))
-        tl.store(p_A, (b_Rq * (b_rqi * scale)[:, None] * b_rkt[None, :]).to(
-            Aqk.dtype.element_ty))
-        p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, 0), (16, BT), (1, 0))
-        tl.store(p_L, b_Rk * (b_bi * b_rki)[:, None] * b_rkt[None, :])
-        tl.debug_barrier()  # also orders Ms before the caller stores its diagonal block
     p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16),
                             (1, 0))
     tl.store(p_A, b_Aq.to(Aqk.dtype.element_ty))
-    if not LEFT_ROW:
-        # blocks right of the diagonal: Aqk must hold zeros there (Ms is masked on read)
-        for jj in range(i + 1, BT // 16):
-            p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
-                                    (16, 16), (1, 0))
-            tl.store(p_A, tl.zeros([16, 16], dtype=Aqk.dtype.element_ty))
-        # blocks left of the diagonal, anchored at the first row n of sub-chunk i
-        for jj in range(i):
-            m_j = (t0 + jj * 16 + r16) < eos
-            b_rkj = tl.load(rn + (row0 + jj * 16 + r16) * 2 + 1)
-            b_Lq = tl.zeros([16, 16], dtype=tl.float32)
-            b_Lk = tl.zeros([16, 16], dtype=tl.float32)
-            for i_k1 in range((K + BK1 - 1) // BK1):
-                b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt,
-                                              s_qh, K, BK1)
-                o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
-                b_Gn = tl.load(Gs_c + (i * 16) * K + o_k1, mask=o_k1 < K, other=0.0)
-                b_en = tl.exp2(b_Gi - b_Gn[None, :])
-                _, b_kx, b_Gj = _sub_tiles(q, k, Gs_c, t0, jj * 16, m_j, i_h, i_k1, T, s_qt,
-                                           s_qh, K, BK1, LOAD_Q=False)
-                b_kjt = tl.trans(b_kx * tl.exp2(b_Gn[None, :] - b_Gj))
-                b_Lq += tl.dot(b_qi * b_en, b_kjt)
-                b_Lk += tl.dot(b_ki * b_en, b_kjt)
-            b_Lq = b_Lq * (b_rqi * scale)[:, None] * b_rkj[None, :]
-            b_Lk = b_Lk * (b_bi * b_rki)[:, None] * b_rkj[None, :]
-            p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
-                                    (16, 16), (1, 0))
-            tl.store(p_A, b_Lq.to(Aqk.dtype.element_ty))
-            p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, jj * 16), (16, 16), (1, 0))
-            tl.store(p_L, b_Lk)
+    # blocks right of the diagonal: Aqk must hold zeros there (Ms is masked on read)
+    for jj in range(i + 1, BT // 16):
+        p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
+                                (16, 16), (1, 0))
+        tl.store(p_A, tl.zeros([16, 16], dtype=Aqk.dtype.element_ty))
+    # blocks left of the diagonal, anchored at the first row n of sub-chunk i
+    for jj in range(i):
+        m_j = (t0 + jj * 16 + r16) < eos
+        b_rkj = tl.load(rn + (row0 + jj * 16 + r16) * 2 + 1)
+        b_Lq = tl.zeros([16, 16], dtype=tl.float32)
+        b_Lk = tl.zeros([16, 16], dtype=tl.float32)
+        for i_k1 in range((K + BK1 - 1) // BK1):
+            b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt,
+                                          s_qh, K, BK1)
+            o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
+            b_Gn = tl.load(Gs_c + (i * 16) * K + o_k1, mask=o_k1 < K, other=0.0)
+            b_en = tl.exp2(b_Gi - b_Gn[None, :])
+            _, b_kx, b_Gj = _sub_tiles(q, k, Gs_c, t0, jj * 16, m_j, i_h, i_k1, T, s_qt,
+                                       s_qh, K, BK1, LOAD_Q=False)
+            b_kjt = tl.trans(b_kx * tl.exp2(b_Gn[None, :] - b_Gj))
+            b_Lq += tl.dot(b_qi * b_en, b_kjt)
+            b_Lk += tl.dot(b_ki * b_en, b_kjt)
+        b_Lq = b_Lq * (b_rqi * scale)[:, None] * b_rkj[None, :]
+        b_Lk = b_Lk * (b_bi * b_rki)[:, None] * b_rkj[None, :]
+        p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),
+                                (16, 16), (1, 0))
+        tl.store(p_A, b_Lq.to(Aqk.dtype.element_ty))
+        p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, jj * 16), (16, 16), (1, 0))
+        tl.store(p_L, b_Lk)
     return b_Ak
 
 

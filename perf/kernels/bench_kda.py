@@ -232,8 +232,7 @@ VARIANTS = {
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
     "split": [{}, {"split_inv_prec": "tf32"}, {"split_inv_prec": "tf32", "split_warps_inv": 2},
               {"split_inv_prec": "tf32", "split_inv_apart": False},
-              {"split_warps_0": 2}, {"split_left_row": False, "split_BK_a": 32},
-              {"split_BK_a": 32}, {"split_warps_a": 2}, {"split_BK_a": 32, "split_warps_a": 2}],
+              {"split_warps_0": 2}, {"split_BK_a": 16}],
 }
 
 
