@@ -469,7 +469,7 @@ def test_gpu_chunk_intra(mode, lens, decay):
     ("sub", dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
     ("split", dict(split_BK_a=16, split_warps_a=4)),
     ("split", dict(split_inv_apart=False, split_maxnreg=168)),
-    ("split", dict(split_inv_prec="tf32"))])
+    ("split", dict(split_inv_prec="tf32x3", split_warps_inv=4))])
 def test_gpu_chunk_intra_variants(mode, cfg):
     """Launch variants: register caps, two launches of the sub path, the split path's blocks."""
     check_chunk_intra(mode, [1000, 37, 3000, 64], 40, 128, 128, bf16, GPU_TOL, 64,
