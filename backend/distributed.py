@@ -196,7 +196,9 @@ class TensorParallelRunner:
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + tp:
             raise ValueError(f"--tp {tp} needs {tp} GPUs from {device}; "
                              f"{torch.cuda.device_count()} visible")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the workers
+        for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                         ("NVSHMEM_DISABLE_NVLS", "1")):  # NVLink multicast off, as inherited
+            os.environ.setdefault(var, off)  # by the workers
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback only
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # raise, don't kill us
         self.tp, self.failed = tp, None

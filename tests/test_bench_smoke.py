@@ -32,3 +32,14 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
     assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
     # two ranks (gloo here): rank 0 holds about half of the layers' weights
     assert tp2["tp"] == 2 and tp2["gpu_weight_GB"] < 0.6 * bf16["gpu_weight_GB"]
+
+
+def test_bench_allreduce_runs_with_gloo(tmp_path):
+    # the CUDA paths (NCCL and symmetric memory in graphs) need two GPUs; the script's frame,
+    # its spawned ranks and the result check run here
+    bench = Path(__file__).resolve().parents[1] / "perf" / "kernels" / "bench_allreduce.py"
+    r = subprocess.run([sys.executable, str(bench), "--out", str(tmp_path), "--device", "cpu",
+                        "--rows", "1,3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "allreduce.json").read_text())["rows"]
+    assert [(x["rows"], x["ok"]) for x in rows] == [(1, True), (3, True)]

@@ -15,6 +15,8 @@ Medians of `triton.testing.do_bench`. Writes kda_bench.{json,csv,png} under --ou
     python perf/kernels/bench_kda.py --out "$OUT" --intra-compare [--intra-T 4096,32768]
         [--sub-variants] [--split-variants] [--no-fla]
     python perf/kernels/bench_kda.py --out /tmp/x --intra-compare --sub-variants --smoke  # CPU
+    ncu --nvtx --nvtx-include once/ ... python perf/kernels/bench_kda.py --once ours|fla \
+        --intra-T 32768      # one prefill call for the profiler (after an unprofiled warm-up)
 
 --intra-compare: our prefill with each stage-1 implementation (chunk.CONFIG["intra"], as
 VOLUNDR_KDA_INTRA: "fused", "sub", "split") and fla's, checked against each other (and against
@@ -428,6 +430,9 @@ def main() -> None:
     ap.add_argument("--split-variants", action="store_true",
                     help="with --intra-compare: also time the split path's launch settings")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out (it autotunes: slow)")
+    ap.add_argument("--once", choices=("ours", "fla"),
+                    help="one prefill at the last --intra-T in NVTX range 'once' (after a "
+                         "warm-up call), for ncu --nvtx --nvtx-include once/, then stop")
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode measurements (no prefill), then stop")
     ap.add_argument("--fused-variants", action="store_true",
@@ -455,6 +460,16 @@ def main() -> None:
     log(dict(kind="env", gpu=gpu, torch=torch.__version__,
              triton=triton.__version__, fla=getattr(sys.modules.get("fla"), "__version__", None),
              time=time.strftime("%Y-%m-%d %H:%M:%S")))
+    if args.once:  # for a profiler: a warm-up call, then one call in the NVTX range "once"
+        x = inputs(1, int(args.intra_T.split(",")[-1]))
+        mod = fla_kda if args.once == "fla" else ours_chunk
+        prefill_call(mod, x)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("once")
+        prefill_call(mod, x)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        return
     if args.intra_compare:
         Ts = [100, 200] if args.smoke else [int(t) for t in args.intra_T.split(",")]
         variants = tuple(m for m, on in (("sub", args.sub_variants),
