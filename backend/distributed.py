@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from volundr.config import VolundrConfig
-from volundr.model.parallel import check_tp, shard_state_dict
+from volundr.model.parallel import ALL_REDUCE_PATHS, check_tp, shard_state_dict
 from volundr.model.weights import host_tensor_names
 from volundr.model_runner import ModelRunner
 from volundr.scheduler import ScheduledSeq
@@ -203,9 +203,16 @@ class TensorParallelRunner:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # raise, don't kill us
         self.tp, self.failed = tp, None
         self.max_order = cfg.engram.max_order
+        # VOLUNDR_TP_ALLREDUCE=symm: decode-sized all-reduces through symmetric memory
+        # (parallel.enable_one_shot; prepared, not yet run on GPUs), else NCCL
+        all_reduce = os.environ.get("VOLUNDR_TP_ALLREDUCE", "nccl")
+        if all_reduce not in ALL_REDUCE_PATHS:
+            raise ValueError(f"VOLUNDR_TP_ALLREDUCE must be one of {ALL_REDUCE_PATHS}, not "
+                             f"{all_reduce!r}")
         runner_kw = dict(dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, seed=seed, max_model_len=max_model_len,
-                         gpu_budget_gib=gpu_budget_gib, cuda_graphs=cuda_graphs)
+                         gpu_budget_gib=gpu_budget_gib, cuda_graphs=cuda_graphs,
+                         tp_all_reduce=all_reduce)
         host = share_host_tables(cfg, state_dict)
         compute = {n: t for n, t in state_dict.items() if n not in host}
         timeout = datetime.timedelta(seconds=TIMEOUT_S)

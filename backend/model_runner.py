@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
-from volundr.model.parallel import TP, local_kv_heads
+from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
 from volundr.sampler import Sampler
 from volundr.scheduler import ScheduledSeq
 
@@ -25,9 +25,11 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
                  block_size: int, seed: int = 0, max_model_len: int = 2048,
                  cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1,
-                 gpu_budget_gib: float | None = None):
+                 gpu_budget_gib: float | None = None, tp_all_reduce: str = "nccl"):
         """With tp_size > 1 (volundr.distributed) `state_dict` is this rank's shard
-        (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples.
+        (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples;
+        tp_all_reduce "symm": decode-sized all-reduces through symmetric memory
+        (parallel.enable_one_shot) on CUDA.
         gpu_budget_gib: a hard cap on what this process's CUDA allocator may hold."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         if gpu_budget_gib is not None and device.type == "cuda":
@@ -52,6 +54,8 @@ class ModelRunner:
         self.model = model.eval()
         self.sampler = Sampler(device, seed)
         self._allocate_caches()
+        if tp_size > 1 and device.type == "cuda" and tp_all_reduce == "symm":
+            enable_one_shot(device, num_slots * cfg.hidden_size, dtype)  # decode batches
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             # With TP every rank captures the same sizes in the same order at the same time:

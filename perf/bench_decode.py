@@ -28,7 +28,8 @@ of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself
 (VOLUNDR_PDL). +tpN runs the variant tensor parallel over N devices (volundr.distributed: one
 process per GPU, NCCL, every rank replaying its decode graphs; a budget G applies to each GPU;
 no graph_ms: rank 0's graph alone would wait for the other ranks' collectives), e.g.
---variants mixed:16@8,mixed:16@8+tp2.
+--variants mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric
+memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
@@ -438,16 +439,19 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
         elif sfx[:2] == "tp" and sfx[2:].isdigit():  # tensor parallel over N devices
             tp = int(sfx[2:])
+        elif sfx == "symm":  # TP: decode all-reduces through symmetric memory (one-shot)
+            os.environ["VOLUNDR_TP_ALLREDUCE"] = "symm"
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, stages=int(sfx[1:]))
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, lrfold, nolrfold, early, noearly, "
-                             "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN, tpN)")
+                             "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN, tpN, symm)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp)
     finally:
+        os.environ.pop("VOLUNDR_TP_ALLREDUCE", None)
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,

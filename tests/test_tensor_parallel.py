@@ -222,12 +222,20 @@ def test_tp2_carries_input_embeddings_to_the_workers(tiny):
     assert outs[0] == outs[1] and len(outs[0]) == 6
 
 
+def test_unknown_all_reduce_path_is_named(tiny, monkeypatch):
+    monkeypatch.setenv("VOLUNDR_TP_ALLREDUCE", "mpi")
+    with pytest.raises(ValueError, match="VOLUNDR_TP_ALLREDUCE must be one of"):
+        make_engine(tiny, 2)  # before any worker starts
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("steps", [1, 4])
-def test_cuda_tp2_nccl_equals_tp1(tiny, steps):
+@pytest.mark.parametrize("steps,all_reduce", [(1, "nccl"), (4, "nccl"), (4, "symm")])
+def test_cuda_tp2_nccl_equals_tp1(tiny, steps, all_reduce, monkeypatch):
     """--tp 2 over two GPUs (NCCL, the Triton kernels on each rank's shard, the decode steps
     replayed from every rank's CUDA graphs, the host tables read in place from shared memory)
-    == one GPU; steps = 4: multi-token decode steps, rank 0 broadcasting each sampled token."""
+    == one GPU; steps = 4: multi-token decode steps, rank 0 broadcasting each sampled token;
+    symm: the decode all-reduces through symmetric memory's one-shot kernel."""
+    monkeypatch.setenv("VOLUNDR_TP_ALLREDUCE", all_reduce)
     rng = random.Random(7)
     ps = [[rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))] for _ in range(4)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

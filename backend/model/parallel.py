@@ -52,10 +52,35 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     return max(1, num_kv_heads // tp)
 
 
+ALL_REDUCE_PATHS = ("nccl", "symm")
+_ONE_SHOT: dict = {}  # this process's symmetric buffer and group name (enable_one_shot)
+
+
+def enable_one_shot(device: torch.device, max_numel: int, dtype: torch.dtype) -> None:
+    """Decode-sized all-reduces (up to max_numel elements of dtype) through symmetric memory's
+    one-shot all-reduce (torch.ops.symm_mem: each rank copies x into its buffer and one kernel
+    reads every peer's over NVLink and sums; no multicast) instead of NCCL. Collective: every
+    rank calls it, before its graphs are captured. Prepared for the next two-GPU run
+    (VOLUNDR_TP_ALLREDUCE=symm); not yet run on GPUs."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD.group_name
+    buf = symm_mem.empty(max_numel, dtype=dtype, device=device)
+    symm_mem.rendezvous(buf, group)
+    _ONE_SHOT.update(buf=buf, group=group)
+
+
 def all_reduce(x: torch.Tensor, tp: TP) -> torch.Tensor:
     """Sum of x over the ranks (in place), a no-op at tp == 1."""
     if tp.size > 1:
-        dist.all_reduce(x)
+        buf = _ONE_SHOT.get("buf")
+        if (buf is not None and x.is_cuda and x.dtype == buf.dtype and x.is_contiguous()
+                and x.numel() <= buf.numel()):
+            b = buf[:x.numel()].view_as(x)
+            b.copy_(x)
+            torch.ops.symm_mem.one_shot_all_reduce_out(b, "sum", _ONE_SHOT["group"], out=x)
+        else:
+            dist.all_reduce(x)
     return x
 
 
