@@ -400,7 +400,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     spec_main, *suffixes = spec.split("+")
     spec_bits, _, steps = spec_main.partition("@")
     variant, _, gib = spec_bits.partition(":")
-    tp = 1
+    tp, all_reduce = 1, os.environ.get("VOLUNDR_TP_ALLREDUCE")  # +symm sets it for one variant
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -451,7 +451,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp)
     finally:
-        os.environ.pop("VOLUNDR_TP_ALLREDUCE", None)
+        if all_reduce is None:
+            os.environ.pop("VOLUNDR_TP_ALLREDUCE", None)
+        else:
+            os.environ["VOLUNDR_TP_ALLREDUCE"] = all_reduce
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
