@@ -58,7 +58,7 @@ def inverse16(b_L):
 
 
 @triton.jit
-def block_inverse(b_S, BT: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
+def block_inverse(b_S, BT: tl.constexpr, PREC: tl.constexpr):
     """M = (I + A)^-1 for a strictly lower [BT, BT] A (BT <= 64) given as S: the inverses X_i of
     the 16 x 16 diagonal blocks of I + A on the diagonal, A itself left of them. With D =
     blockdiag(X_i) and N the strictly block-lower part of A, I + A = (I + A_d)(I + D N) and
