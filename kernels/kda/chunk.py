@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels.kda.chunk_intra import _chunk_kda_intra_kernel
-from volundr.kernels.kda.chunk_intra_split import _kda_intra_a_kernel
+from volundr.kernels.kda.chunk_intra_split import _kda_intra_a_kernel, _kda_intra_diag_kernel
 from volundr.kernels.kda.chunk_intra_sub import _chunk_kda_intra_sub_kernel
 from volundr.kernels.kda.utils import chunk_maps, seq_bounds, token_strides
 
@@ -52,7 +52,11 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # the inverse's dots: "tf32x3" (fp32 accuracy) or "tf32" (that of the w / u dots; run
           # 41, T = 128K: 24.1 ms with 2 warps vs 25.8 for tf32x3 with 4; output vs the fused
           # stage 1 3.2e-4 instead of 1.9e-4 relative, fla's 4.9e-3)
-          "split_inv_prec": "tf32"}
+          "split_inv_prec": "tf32",
+          # split_diag: the diagonal 16 x 16 blocks of Aqk / Akk by "levels" of small dots in the
+          # block-row kernel, or "elem": element-wise in a kernel of their own
+          # (`_kda_intra_diag_kernel`, split_warps_d warps), the block-row kernel doing the rest
+          "split_diag": "levels", "split_warps_d": 4}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -222,11 +226,19 @@ def chunk_kda(
                 chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=CONFIG["split_warps_0"],
                                              num_stages=1, **sub)
+        a_args = (q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh)
+        elem = CONFIG["split_diag"] == "elem"
+        if CONFIG["split_diag"] not in ("levels", "elem"):
+            raise ValueError(f"CONFIG['split_diag'] must be 'levels' or 'elem', "
+                             f"got {CONFIG['split_diag']!r}")
+        if elem:
+            _kda_intra_diag_kernel[(NT * (BT // 16), H)](
+                *a_args, H=H, K=K, BT=BT, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
+                num_warps=CONFIG["split_warps_d"], num_stages=1)
         _kda_intra_a_kernel[(NT * (BT // 16), H)](
-            q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh,
-            H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
-            BETA_SIGMOID=use_beta_sigmoid_in_kernel, num_warps=CONFIG["split_warps_a"],
-            num_stages=1)
+            *a_args, H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
+            BETA_SIGMOID=use_beta_sigmoid_in_kernel, DIAG=not elem,
+            num_warps=CONFIG["split_warps_a"], num_stages=1)
         nreg = CONFIG["split_maxnreg"]
         if CONFIG["split_inv_apart"]:
             _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8,

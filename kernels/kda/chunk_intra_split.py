@@ -35,8 +35,9 @@ from volundr.kernels.kda.chunk_intra_sub import _block_row, inverse16
 def _kda_intra_a_kernel(
     q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, T, NC, s_qt, s_qh,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, DIAG: tl.constexpr,
 ):
+    """DIAG=False: only the blocks off the diagonal (`_kda_intra_diag_kernel` does the rest)."""
     NS: tl.constexpr = BT // 16
     i_ci, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i = i_ci // NS, i_ci % NS
@@ -47,7 +48,91 @@ def _kda_intra_a_kernel(
     row0 = (i_h * NC + i_c).to(tl.int64) * BT
     Ms_c = Ms + row0 * BT
     b_L = _block_row(q, k, beta, Aqk, Ms_c, Gs + row0 * K, rn, t0, eos, row0, i, i_h, scale, T,
-                     s_qt, s_qh, H, K, BT, BK, BETA_SIGMOID)
-    # X = (I + L)^-1, L = the beta-scaled strictly lower Akk block
-    p_X = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
-    tl.store(p_X, inverse16(b_L))
+                     s_qt, s_qh, H, K, BT, BK, BETA_SIGMOID, DIAG)
+    if DIAG:
+        # X = (I + L)^-1, L = the beta-scaled strictly lower Akk block
+        p_X = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
+        tl.store(p_X, inverse16(b_L))
+
+
+@triton.jit
+def _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, r, i_h, scale, s_qt, s_qh,
+                H: tl.constexpr, K: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Rows r (8 chunk rows) of a sub-chunk, all K channels: q with its norm and the scale,
+    k with its norm and beta (zero past the sequence end), G."""
+    o_k = tl.arange(0, K)
+    m = (t0 + r) < eos
+    tok = (t0 + r) * s_qt + i_h * s_qh
+    b_q = tl.load(q + tok[:, None] + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + tok[:, None] + o_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    b_b = tl.load(beta + (t0 + r) * H + i_h, mask=m, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = tl.where(m, tl.sigmoid(b_b), 0.0)
+    b_rq = tl.load(rn + (row0 + r) * 2)
+    b_rk = tl.load(rn + (row0 + r) * 2 + 1)
+    b_G = tl.load(Gs_c + r[:, None] * K + o_k[None, :])
+    return b_q * (b_rq * scale)[:, None], b_k * (b_b * b_rk)[:, None], b_G
+
+
+@triton.jit
+def _diag_column(b_q, b_k, b_G, r, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT: tl.constexpr):
+    """Column j of the diagonal block for rows r: Aqk[t, j] = sum_c q_t k_j 2^(G_t - G_j)
+    (t >= j), Akk[t, j] the same with k_t (t > j); norms, beta and the scale are in the
+    operands. The exponent is masked before exp2: for t < j it would be positive."""
+    live = r >= j
+    b_e = tl.exp2(tl.where(live[:, None], b_G - b_Gj[None, :], float("-inf")))
+    b_kg = b_e * b_kj[None, :]
+    b_aq = tl.sum(b_q * b_kg, axis=1)
+    b_ak = tl.sum(b_k * b_kg, axis=1)
+    tl.store(Aqk + (row0 + r) * BT + j, b_aq.to(Aqk.dtype.element_ty))
+    tl.store(Ms_c + r * BT + j, tl.where(r > j, b_ak, 0.0))
+
+
+@triton.jit(do_not_specialize=["T", "NC"])
+def _kda_intra_diag_kernel(
+    q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, T, NC, s_qt, s_qh,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+):
+    """The 16 x 16 diagonal blocks of Aqk and Akk element-wise (fla's token-parallel form,
+    here one program per (sub-chunk, head)): column j of the block is one pass over the rows
+    t >= j of q, k, G held in registers, with the per-element exponent G_t - G_j <= 0, so no
+    levels, no dots and no layout changes. Rows in two halves of 8: columns 0-7 run over both,
+    columns 8-15 over the lower half only (192 of the 256 row-column pairs; 136 are needed).
+    Then X_i = (I + L_ii)^-1 of the Akk block (read back from Ms) on Ms's diagonal.
+    Grid (chunks x BT / 16, H), as `_kda_intra_a_kernel` with DIAG=False, which does the rest."""
+    NS: tl.constexpr = BT // 16
+    i_ci, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i = i_ci // NS, i_ci % NS
+    i_n = tl.load(chunk_idx + 2 * i_c)
+    i_t = tl.load(chunk_idx + 2 * i_c + 1)
+    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + i_t * BT
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    row0 = (i_h * NC + i_c).to(tl.int64) * BT
+    Gs_c = Gs + row0 * K
+    Ms_c = Ms + row0 * BT
+    o_k = tl.arange(0, K)
+    r8 = tl.arange(0, 8)
+    top = i * 16 + r8                                  # chunk rows
+    bot = top + 8
+    b_qt, b_kt, b_Gt = _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, top, i_h, scale, s_qt,
+                                   s_qh, H, K, BETA_SIGMOID)
+    b_qb, b_kb, b_Gb = _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, bot, i_h, scale, s_qt,
+                                   s_qh, H, K, BETA_SIGMOID)
+    for jj in range(16):                               # dynamic: one column at a time
+        j = i * 16 + jj
+        mj = (t0 + j) < eos
+        b_kj = tl.load(k + (t0 + j) * s_qt + i_h * s_qh + o_k, mask=mj, other=0.0)
+        b_kj = b_kj.to(tl.float32) * tl.load(rn + (row0 + j) * 2 + 1)
+        b_Gj = tl.load(Gs_c + j * K + o_k)
+        if jj < 8:
+            _diag_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+        _diag_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+    # Aqk's upper right 8 x 8 of the block (t < j) holds zeros
+    tl.store(Aqk + (row0 + top)[:, None] * BT + bot[None, :],
+             tl.zeros([8, 8], dtype=Aqk.dtype.element_ty))
+    tl.debug_barrier()  # the block's Akk columns, stored by all threads, before reading it back
+    r16 = tl.arange(0, 16)
+    p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
+    b_L = tl.where(r16[:, None] > r16[None, :], tl.load(p_L), 0.0)
+    tl.debug_barrier()  # read by every thread before X overwrites it
+    tl.store(p_L, inverse16(b_L))

@@ -126,10 +126,12 @@ def _diag_levels(b_qi, b_ki, b_Gi, Gs_c, r0, o_k1, K: tl.constexpr):
 @triton.jit
 def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T, s_qt, s_qh,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK1: tl.constexpr,
-               BETA_SIGMOID: tl.constexpr):
+               BETA_SIGMOID: tl.constexpr, DIAG: tl.constexpr = True):
     """Block-row i (chunk rows 16 i .. 16 i + 15) of Aqk and Akk: stores Aqk's blocks (zeros
     right of the diagonal) and Akk's blocks left of the diagonal to Ms; returns Akk's diagonal
-    block (strictly lower, beta and norms applied)."""
+    block (strictly lower, beta and norms applied). DIAG=False: the diagonal block is left to
+    `_kda_intra_diag_kernel` (chunk_intra_split.py), nothing is computed for it here and the
+    returned block is zeros."""
     r16 = tl.arange(0, 16)
     r_i = i * 16 + r16                                   # chunk rows of sub-chunk i
     m_i = (t0 + r_i) < eos
@@ -138,22 +140,23 @@ def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T,
     b_bi = tl.load(beta + (t0 + r_i) * H + i_h, mask=m_i, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         b_bi = tl.where(m_i, tl.sigmoid(b_bi), 0.0)
-    b_Aq = tl.zeros([16, 16], dtype=tl.float32)
     b_Ak = tl.zeros([16, 16], dtype=tl.float32)
-    for i_k1 in range((K + BK1 - 1) // BK1):
-        b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt, s_qh, K,
-                                      BK1)
-        o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
-        b_dq, b_dk = _diag_levels(b_qi, b_ki, b_Gi, Gs_c, i * 16, o_k1, K)
-        b_Aq += b_dq
-        b_Ak += b_dk
-    b_Aq = tl.where(r16[:, None] >= r16[None, :], b_Aq, 0.0)
-    b_Aq = b_Aq * (b_rqi * scale)[:, None] * b_rki[None, :]
-    b_Ak = tl.where(r16[:, None] > r16[None, :], b_Ak, 0.0)
-    b_Ak = b_Ak * (b_bi * b_rki)[:, None] * b_rki[None, :]
-    p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16),
-                            (1, 0))
-    tl.store(p_A, b_Aq.to(Aqk.dtype.element_ty))
+    if DIAG:
+        b_Aq = tl.zeros([16, 16], dtype=tl.float32)
+        for i_k1 in range((K + BK1 - 1) // BK1):
+            b_qi, b_ki, b_Gi = _sub_tiles(q, k, Gs_c, t0, i * 16, m_i, i_h, i_k1, T, s_qt, s_qh,
+                                          K, BK1)
+            o_k1 = i_k1 * BK1 + tl.arange(0, BK1)
+            b_dq, b_dk = _diag_levels(b_qi, b_ki, b_Gi, Gs_c, i * 16, o_k1, K)
+            b_Aq += b_dq
+            b_Ak += b_dk
+        b_Aq = tl.where(r16[:, None] >= r16[None, :], b_Aq, 0.0)
+        b_Aq = b_Aq * (b_rqi * scale)[:, None] * b_rki[None, :]
+        b_Ak = tl.where(r16[:, None] > r16[None, :], b_Ak, 0.0)
+        b_Ak = b_Ak * (b_bi * b_rki)[:, None] * b_rki[None, :]
+        p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16),
+                                (1, 0))
+        tl.store(p_A, b_Aq.to(Aqk.dtype.element_ty))
     # blocks right of the diagonal: Aqk must hold zeros there (Ms is masked on read)
     for jj in range(i + 1, BT // 16):
         p_A = tl.make_block_ptr(Aqk + row0 * BT, (BT, BT), (BT, 1), (i * 16, jj * 16),

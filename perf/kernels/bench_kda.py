@@ -234,7 +234,10 @@ VARIANTS = {
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
     "split": [{}, {"split_inv_prec": "tf32x3", "split_warps_inv": 4}, {"split_warps_inv": 4},
               {"split_inv_apart": False},
-              {"split_warps_0": 2}, {"split_BK_a": 16}],
+              {"split_warps_0": 2}, {"split_BK_a": 16},
+              {"split_diag": "elem"}, {"split_diag": "elem", "split_warps_d": 2},
+              {"split_diag": "elem", "split_warps_d": 8},
+              {"split_diag": "elem", "split_BK_a": 16}],
 }
 
 
