@@ -388,7 +388,8 @@ INTERPRETER_CASES = {
                                   cfg=dict(split_diag="elem")),
     "split_elem_chunk16_huge_decay_fp32":
         lambda: check_chunk_intra("split", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0,
-                                  cfg=dict(split_diag="elem", split_warps_d=2)),
+                                  cfg=dict(split_diag="elem", split_warps_d=2,
+                                           split_unroll_d=True)),
     "split_elem_chunk32_huge_decay_varlen_fp16":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f16, 5e-3, 32, True, 40.0,
                                   cfg=dict(split_diag="elem")),

@@ -56,7 +56,7 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # split_diag: the diagonal 16 x 16 blocks of Aqk / Akk by "levels" of small dots in the
           # block-row kernel, or "elem": element-wise in a kernel of their own
           # (`_kda_intra_diag_kernel`, split_warps_d warps), the block-row kernel doing the rest
-          "split_diag": "levels", "split_warps_d": 4}
+          "split_diag": "levels", "split_warps_d": 4, "split_unroll_d": False}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -234,7 +234,8 @@ def chunk_kda(
         if elem:
             _kda_intra_diag_kernel[(NT * (BT // 16), H)](
                 *a_args, H=H, K=K, BT=BT, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
-                num_warps=CONFIG["split_warps_d"], num_stages=1)
+                UNROLL=CONFIG["split_unroll_d"], num_warps=CONFIG["split_warps_d"],
+                num_stages=1)
         _kda_intra_a_kernel[(NT * (BT // 16), H)](
             *a_args, H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
             BETA_SIGMOID=use_beta_sigmoid_in_kernel, DIAG=not elem,

@@ -88,10 +88,24 @@ def _diag_column(b_q, b_k, b_G, r, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT: tl.conste
     tl.store(Ms_c + r * BT + j, tl.where(r > j, b_ak, 0.0))
 
 
+@triton.jit
+def _diag_step(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, j, upper, i_h, s_qt, s_qh,
+               b_qt, b_kt, b_Gt, top, b_qb, b_kb, b_Gb, bot, K: tl.constexpr, BT: tl.constexpr):
+    """Column j (chunk index) of the diagonal block; the upper half's rows too when upper."""
+    o_k = tl.arange(0, K)
+    b_kj = tl.load(k + (t0 + j) * s_qt + i_h * s_qh + o_k, mask=(t0 + j) < eos, other=0.0)
+    b_kj = b_kj.to(tl.float32) * tl.load(rn + (row0 + j) * 2 + 1)
+    b_Gj = tl.load(Gs_c + j * K + o_k)
+    if upper:
+        _diag_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+    _diag_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+
+
 @triton.jit(do_not_specialize=["T", "NC"])
 def _kda_intra_diag_kernel(
     q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, T, NC, s_qt, s_qh,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """The 16 x 16 diagonal blocks of Aqk and Akk element-wise (fla's token-parallel form,
     here one program per (sub-chunk, head)): column j of the block is one pass over the rows
@@ -110,7 +124,6 @@ def _kda_intra_diag_kernel(
     row0 = (i_h * NC + i_c).to(tl.int64) * BT
     Gs_c = Gs + row0 * K
     Ms_c = Ms + row0 * BT
-    o_k = tl.arange(0, K)
     r8 = tl.arange(0, 8)
     top = i * 16 + r8                                  # chunk rows
     bot = top + 8
@@ -118,15 +131,15 @@ def _kda_intra_diag_kernel(
                                    s_qh, H, K, BETA_SIGMOID)
     b_qb, b_kb, b_Gb = _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, bot, i_h, scale, s_qt,
                                    s_qh, H, K, BETA_SIGMOID)
-    for jj in range(16):                               # dynamic: one column at a time
-        j = i * 16 + jj
-        mj = (t0 + j) < eos
-        b_kj = tl.load(k + (t0 + j) * s_qt + i_h * s_qh + o_k, mask=mj, other=0.0)
-        b_kj = b_kj.to(tl.float32) * tl.load(rn + (row0 + j) * 2 + 1)
-        b_Gj = tl.load(Gs_c + j * K + o_k)
-        if jj < 8:
-            _diag_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
-        _diag_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+    # one column at a time; UNROLL lets the compiler issue later columns' row loads early
+    if UNROLL:
+        for jj in tl.static_range(16):
+            _diag_step(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, jj < 8, i_h, s_qt,
+                       s_qh, b_qt, b_kt, b_Gt, top, b_qb, b_kb, b_Gb, bot, K, BT)
+    else:
+        for jj in range(16):
+            _diag_step(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, jj < 8, i_h, s_qt,
+                       s_qh, b_qt, b_kt, b_Gt, top, b_qb, b_kb, b_Gb, bot, K, BT)
     # Aqk's upper right 8 x 8 of the block (t < j) holds zeros
     tl.store(Aqk + (row0 + top)[:, None] * BT + bot[None, :],
              tl.zeros([8, 8], dtype=Aqk.dtype.element_ty))

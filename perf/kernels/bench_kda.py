@@ -151,18 +151,23 @@ def breakdown(T: int, log, impls=None) -> None:
     for name, mod in impls or (("ours", ours_chunk), ("fla", fla_kda)):
         if mod is None:
             continue
-        prefill_call(mod, x)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                prefill_call(mod, x)
-            torch.cuda.synchronize()
-        ev = {e.key: round(e.device_time_total / 3 / 1000, 4) for e in prof.key_averages()
-              if e.device_time_total > 0}
-        # every launch of the last call in order (kernels that share a name apart)
-        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        last = [(e.name[:40], round(e.device_time / 1000, 4)) for e in kern[-len(kern) // 3:]]
+        ev, last = profile_call(lambda mod=mod: prefill_call(mod, x))
         log(dict(kind="breakdown", impl=name, T=T, kernels_ms=ev, launches_ms=last))
+
+
+def profile_call(fn):
+    """Kernel times of fn (torch profiler, mean of 3 calls) and every launch of the last call
+    in order (kernels that share a name apart), ms."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    ev = {e.key: round(e.device_time_total / 3 / 1000, 4) for e in prof.key_averages()
+          if e.device_time_total > 0}
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return ev, [(e.name[:40], round(e.device_time / 1000, 4)) for e in kern[-len(kern) // 3:]]
 
 
 def intra_compare(Ts, log, smoke: bool = False, variants: tuple[str, ...] = (),
@@ -236,8 +241,9 @@ VARIANTS = {
               {"split_inv_apart": False},
               {"split_warps_0": 2}, {"split_BK_a": 16},
               {"split_diag": "elem"}, {"split_diag": "elem", "split_warps_d": 2},
-              {"split_diag": "elem", "split_warps_d": 8},
-              {"split_diag": "elem", "split_BK_a": 16}],
+              {"split_diag": "elem", "split_unroll_d": True},
+              {"split_diag": "elem", "split_warps_d": 2, "split_unroll_d": True},
+              {"split_diag": "elem", "split_warps_a": 2}],
 }
 
 
@@ -256,6 +262,8 @@ def mode_variants(T: int, log, smoke: bool, mode: str) -> None:
                 if torch.isfinite(o).all() and max(r["rel_o_vs_fused"],
                                                    r["rel_state_vs_fused"]) < 2e-2:
                     r["ms"] = one_ms(lambda: prefill_call(ours_chunk, x), smoke)
+                    if not smoke:
+                        r["launches_ms"] = profile_call(lambda: prefill_call(ours_chunk, x))[1]
             except Exception as e:  # a launch setting that does not compile: report, go on
                 r["error"] = repr(e)[:300]
             log(r)
