@@ -75,30 +75,51 @@ def _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, r, i_h, scale, s_qt, s_qh,
 
 
 @triton.jit
-def _diag_column(b_q, b_k, b_G, r, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT: tl.constexpr):
-    """Column j of the diagonal block for rows r: Aqk[t, j] = sum_c q_t k_j 2^(G_t - G_j)
-    (t >= j), Akk[t, j] the same with k_t (t > j); norms, beta and the scale are in the
-    operands. The exponent is masked before exp2: for t < j it would be positive."""
-    live = r >= j
-    b_e = tl.exp2(tl.where(live[:, None], b_G - b_Gj[None, :], float("-inf")))
-    b_kg = b_e * b_kj[None, :]
-    b_aq = tl.sum(b_q * b_kg, axis=1)
-    b_ak = tl.sum(b_k * b_kg, axis=1)
+def _key_row(k, Gs_c, rn, t0, eos, row0, j, i_h, s_qt, s_qh, K: tl.constexpr):
+    """Chunk row j: k with its norm (zero past the sequence end) and G, [K] each."""
+    o_k = tl.arange(0, K)
+    b_kj = tl.load(k + (t0 + j) * s_qt + i_h * s_qh + o_k, mask=(t0 + j) < eos, other=0.0)
+    return b_kj.to(tl.float32) * tl.load(rn + (row0 + j) * 2 + 1), tl.load(Gs_c + j * K + o_k)
+
+
+@triton.jit
+def _store_column(b_aq, b_ak, r, j, Aqk, Ms_c, row0, BT: tl.constexpr):
+    """Aqk[r, j] (t >= j; zeros above come out of the masked exponent) and Akk[r, j] to Ms
+    (strictly lower: t > j)."""
     tl.store(Aqk + (row0 + r) * BT + j, b_aq.to(Aqk.dtype.element_ty))
     tl.store(Ms_c + r * BT + j, tl.where(r > j, b_ak, 0.0))
 
 
 @triton.jit
-def _diag_step(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, j, upper, i_h, s_qt, s_qh,
-               b_qt, b_kt, b_Gt, top, b_qb, b_kb, b_Gb, bot, K: tl.constexpr, BT: tl.constexpr):
-    """Column j (chunk index) of the diagonal block; the upper half's rows too when upper."""
-    o_k = tl.arange(0, K)
-    b_kj = tl.load(k + (t0 + j) * s_qt + i_h * s_qh + o_k, mask=(t0 + j) < eos, other=0.0)
-    b_kj = b_kj.to(tl.float32) * tl.load(rn + (row0 + j) * 2 + 1)
-    b_Gj = tl.load(Gs_c + j * K + o_k)
-    if upper:
-        _diag_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
-    _diag_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+def _elem_column(b_q, b_k, b_G, r, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT: tl.constexpr):
+    """Column j for rows r, one exponent per element: Aqk[t, j] = sum_c q_t k_j 2^(G_t - G_j)
+    (norms, beta and the scale are in the operands). Masked before exp2: for t < j the exponent
+    would be positive."""
+    b_e = tl.exp2(tl.where((r >= j)[:, None], b_G - b_Gj[None, :], float("-inf")))
+    b_kg = b_e * b_kj[None, :]
+    _store_column(tl.sum(b_q * b_kg, axis=1), tl.sum(b_k * b_kg, axis=1), r, j, Aqk, Ms_c, row0,
+                  BT)
+
+
+@triton.jit
+def _lower_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, j, i_h, s_qt, s_qh, b_qb, b_kb, b_Gb,
+                  bot, K: tl.constexpr, BT: tl.constexpr):
+    """Columns 8-15: only the lower half's rows can be at or below the diagonal."""
+    b_kj, b_Gj = _key_row(k, Gs_c, rn, t0, eos, row0, j, i_h, s_qt, s_qh, K)
+    _elem_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+
+
+@triton.jit
+def _upper_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, j, i_h, s_qt, s_qh, b_qt, b_kt, b_Gt,
+                  top, b_qa, b_ka, b_Ga, bot, K: tl.constexpr, BT: tl.constexpr):
+    """Columns 0-7: the upper half's rows element-wise; the lower half's through the anchor a
+    (first lower row): 2^(G_t - G_j) = 2^(G_t - G_a) 2^(G_a - G_j), both factors <= 1, the
+    first already in b_qa / b_ka, so one [K] exponent for all 8 rows."""
+    b_kj, b_Gj = _key_row(k, Gs_c, rn, t0, eos, row0, j, i_h, s_qt, s_qh, K)
+    _elem_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+    b_kq = (b_kj * tl.exp2(b_Ga - b_Gj))[None, :]
+    _store_column(tl.sum(b_qa * b_kq, axis=1), tl.sum(b_ka * b_kq, axis=1), bot, j, Aqk, Ms_c,
+                  row0, BT)
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -110,8 +131,10 @@ def _kda_intra_diag_kernel(
     """The 16 x 16 diagonal blocks of Aqk and Akk element-wise (fla's token-parallel form,
     here one program per (sub-chunk, head)): column j of the block is one pass over the rows
     t >= j of q, k, G held in registers, with the per-element exponent G_t - G_j <= 0, so no
-    levels, no dots and no layout changes. Rows in two halves of 8: columns 0-7 run over both,
-    columns 8-15 over the lower half only (192 of the 256 row-column pairs; 136 are needed).
+    levels, no dots and no layout changes. Rows in two halves of 8: columns 8-15 run over the
+    lower half only, columns 0-7 over the upper half element-wise and over the lower half
+    through an anchor row (one [K] exponent per column). Exponents: 8 x 8 x K per half
+    where the triangle needs 36 x K, none for the lower-left quarter (64 pairs).
     Then X_i = (I + L_ii)^-1 of the Akk block (read back from Ms) on Ms's diagonal.
     Grid (chunks x BT / 16, H), as `_kda_intra_a_kernel` with DIAG=False, which does the rest."""
     NS: tl.constexpr = BT // 16
@@ -131,15 +154,26 @@ def _kda_intra_diag_kernel(
                                    s_qh, H, K, BETA_SIGMOID)
     b_qb, b_kb, b_Gb = _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, bot, i_h, scale, s_qt,
                                    s_qh, H, K, BETA_SIGMOID)
-    # one column at a time; UNROLL lets the compiler issue later columns' row loads early
+    # one column at a time (UNROLL: the compiler may issue later columns' row loads early)
     if UNROLL:
-        for jj in tl.static_range(16):
-            _diag_step(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, jj < 8, i_h, s_qt,
-                       s_qh, b_qt, b_kt, b_Gt, top, b_qb, b_kb, b_Gb, bot, K, BT)
+        for jj in tl.static_range(8, 16):
+            _lower_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
+                          b_qb, b_kb, b_Gb, bot, K, BT)
     else:
-        for jj in range(16):
-            _diag_step(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, jj < 8, i_h, s_qt,
-                       s_qh, b_qt, b_kt, b_Gt, top, b_qb, b_kb, b_Gb, bot, K, BT)
+        for jj in range(8, 16):
+            _lower_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
+                          b_qb, b_kb, b_Gb, bot, K, BT)
+    b_Ga = tl.load(Gs_c + (i * 16 + 8) * K + tl.arange(0, K))
+    b_ea = tl.exp2(b_Gb - b_Ga[None, :])               # 2^(G_t - G_a) <= 1, t >= a
+    b_qa, b_ka = b_qb * b_ea, b_kb * b_ea
+    if UNROLL:
+        for jj in tl.static_range(8):
+            _upper_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
+                          b_qt, b_kt, b_Gt, top, b_qa, b_ka, b_Ga, bot, K, BT)
+    else:
+        for jj in range(8):
+            _upper_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
+                          b_qt, b_kt, b_Gt, top, b_qa, b_ka, b_Ga, bot, K, BT)
     # Aqk's upper right 8 x 8 of the block (t < j) holds zeros
     tl.store(Aqk + (row0 + top)[:, None] * BT + bot[None, :],
              tl.zeros([8, 8], dtype=Aqk.dtype.element_ty))
