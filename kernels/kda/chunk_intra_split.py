@@ -76,50 +76,53 @@ def _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, r, i_h, scale, s_qt, s_qh,
 
 @triton.jit
 def _key_row(k, Gs_c, rn, t0, eos, row0, j, i_h, s_qt, s_qh, K: tl.constexpr):
-    """Chunk row j: k with its norm (zero past the sequence end) and G, [K] each."""
-    o_k = tl.arange(0, K)
+    """Chunk row j: k with its norm (zero past the sequence end) and G, each broadcast to an
+    [8, K] tile: loaded in the layout of the resident tiles (a [K] vector would be loaded in
+    a 1-D layout and moved through shared memory, with barriers, for every column)."""
+    o_k = tl.arange(0, K)[None, :] + tl.zeros([8, 1], dtype=tl.int32)
     b_kj = tl.load(k + (t0 + j) * s_qt + i_h * s_qh + o_k, mask=(t0 + j) < eos, other=0.0)
     return b_kj.to(tl.float32) * tl.load(rn + (row0 + j) * 2 + 1), tl.load(Gs_c + j * K + o_k)
 
 
 @triton.jit
-def _store_column(b_aq, b_ak, r, j, Aqk, Ms_c, row0, BT: tl.constexpr):
-    """Aqk[r, j] (t >= j; zeros above come out of the masked exponent) and Akk[r, j] to Ms
-    (strictly lower: t > j)."""
-    tl.store(Aqk + (row0 + r) * BT + j, b_aq.to(Aqk.dtype.element_ty))
-    tl.store(Ms_c + r * BT + j, tl.where(r > j, b_ak, 0.0))
+def _put(b_acc, b_a, jj):
+    """Column jj (0..15) of an [8, 16] tile := b_a [8] (kept in registers: a store per column
+    would move each column through shared memory into the store's layout)."""
+    c16 = tl.arange(0, 16)
+    return tl.where((c16 == jj)[None, :], b_a[:, None], b_acc)
 
 
 @triton.jit
-def _elem_column(b_q, b_k, b_G, r, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT: tl.constexpr):
+def _elem_column(b_q, b_k, b_G, r, b_kj, b_Gj, j):
     """Column j for rows r, one exponent per element: Aqk[t, j] = sum_c q_t k_j 2^(G_t - G_j)
-    (norms, beta and the scale are in the operands). Masked before exp2: for t < j the exponent
-    would be positive."""
-    b_e = tl.exp2(tl.where((r >= j)[:, None], b_G - b_Gj[None, :], float("-inf")))
-    b_kg = b_e * b_kj[None, :]
-    _store_column(tl.sum(b_q * b_kg, axis=1), tl.sum(b_k * b_kg, axis=1), r, j, Aqk, Ms_c, row0,
-                  BT)
+    (norms, beta and the scale are in the operands), Akk's the same with k_t. Masked before
+    exp2: for t < j the exponent would be positive."""
+    b_kg = tl.exp2(tl.where((r >= j)[:, None], b_G - b_Gj, float("-inf"))) * b_kj
+    return tl.sum(b_q * b_kg, axis=1), tl.sum(b_k * b_kg, axis=1)
 
 
 @triton.jit
-def _lower_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, j, i_h, s_qt, s_qh, b_qb, b_kb, b_Gb,
-                  bot, K: tl.constexpr, BT: tl.constexpr):
+def _lower_column(k, Gs_c, rn, t0, eos, row0, j, jj, i_h, s_qt, s_qh, b_qb, b_kb, b_Gb, bot,
+                  b_Aqb, b_Akb, K: tl.constexpr):
     """Columns 8-15: only the lower half's rows can be at or below the diagonal."""
     b_kj, b_Gj = _key_row(k, Gs_c, rn, t0, eos, row0, j, i_h, s_qt, s_qh, K)
-    _elem_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
+    b_aq, b_ak = _elem_column(b_qb, b_kb, b_Gb, bot, b_kj, b_Gj, j)
+    return _put(b_Aqb, b_aq, jj), _put(b_Akb, b_ak, jj)
 
 
 @triton.jit
-def _upper_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, j, i_h, s_qt, s_qh, b_qt, b_kt, b_Gt,
-                  top, b_qa, b_ka, b_Ga, bot, K: tl.constexpr, BT: tl.constexpr):
+def _upper_column(k, Gs_c, rn, t0, eos, row0, j, jj, i_h, s_qt, s_qh, b_qt, b_kt, b_Gt, top,
+                  b_qa, b_ka, b_Ga, b_Aqt, b_Akt, b_Aqb, b_Akb, K: tl.constexpr):
     """Columns 0-7: the upper half's rows element-wise; the lower half's through the anchor a
     (first lower row): 2^(G_t - G_j) = 2^(G_t - G_a) 2^(G_a - G_j), both factors <= 1, the
-    first already in b_qa / b_ka, so one [K] exponent for all 8 rows."""
+    first already in b_qa / b_ka."""
     b_kj, b_Gj = _key_row(k, Gs_c, rn, t0, eos, row0, j, i_h, s_qt, s_qh, K)
-    _elem_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j, Aqk, Ms_c, row0, BT)
-    b_kq = (b_kj * tl.exp2(b_Ga - b_Gj))[None, :]
-    _store_column(tl.sum(b_qa * b_kq, axis=1), tl.sum(b_ka * b_kq, axis=1), bot, j, Aqk, Ms_c,
-                  row0, BT)
+    b_aq, b_ak = _elem_column(b_qt, b_kt, b_Gt, top, b_kj, b_Gj, j)
+    b_Aqt, b_Akt = _put(b_Aqt, b_aq, jj), _put(b_Akt, b_ak, jj)
+    b_kq = b_kj * tl.exp2(b_Ga - b_Gj)
+    b_Aqb = _put(b_Aqb, tl.sum(b_qa * b_kq, axis=1), jj)
+    b_Akb = _put(b_Akb, tl.sum(b_ka * b_kq, axis=1), jj)
+    return b_Aqt, b_Akt, b_Aqb, b_Akb
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -155,28 +158,41 @@ def _kda_intra_diag_kernel(
     b_qb, b_kb, b_Gb = _half_tiles(q, k, beta, Gs_c, rn, t0, eos, row0, bot, i_h, scale, s_qt,
                                    s_qh, H, K, BETA_SIGMOID)
     # one column at a time (UNROLL: the compiler may issue later columns' row loads early)
+    b_Aqt = tl.zeros([8, 16], dtype=tl.float32)
+    b_Akt = tl.zeros([8, 16], dtype=tl.float32)
+    b_Aqb = tl.zeros([8, 16], dtype=tl.float32)
+    b_Akb = tl.zeros([8, 16], dtype=tl.float32)
     if UNROLL:
         for jj in tl.static_range(8, 16):
-            _lower_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
-                          b_qb, b_kb, b_Gb, bot, K, BT)
+            b_Aqb, b_Akb = _lower_column(k, Gs_c, rn, t0, eos, row0, i * 16 + jj, jj, i_h, s_qt,
+                                         s_qh, b_qb, b_kb, b_Gb, bot, b_Aqb, b_Akb, K)
     else:
         for jj in range(8, 16):
-            _lower_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
-                          b_qb, b_kb, b_Gb, bot, K, BT)
-    b_Ga = tl.load(Gs_c + (i * 16 + 8) * K + tl.arange(0, K))
-    b_ea = tl.exp2(b_Gb - b_Ga[None, :])               # 2^(G_t - G_a) <= 1, t >= a
+            b_Aqb, b_Akb = _lower_column(k, Gs_c, rn, t0, eos, row0, i * 16 + jj, jj, i_h, s_qt,
+                                         s_qh, b_qb, b_kb, b_Gb, bot, b_Aqb, b_Akb, K)
+    b_Ga = tl.load(Gs_c + (i * 16 + 8) * K + tl.arange(0, K))[None, :]
+    b_ea = tl.exp2(b_Gb - b_Ga)                        # 2^(G_t - G_a) <= 1, t >= a
     b_qa, b_ka = b_qb * b_ea, b_kb * b_ea
     if UNROLL:
         for jj in tl.static_range(8):
-            _upper_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
-                          b_qt, b_kt, b_Gt, top, b_qa, b_ka, b_Ga, bot, K, BT)
+            b_Aqt, b_Akt, b_Aqb, b_Akb = _upper_column(
+                k, Gs_c, rn, t0, eos, row0, i * 16 + jj, jj, i_h, s_qt, s_qh, b_qt, b_kt, b_Gt,
+                top, b_qa, b_ka, b_Ga, b_Aqt, b_Akt, b_Aqb, b_Akb, K)
     else:
         for jj in range(8):
-            _upper_column(k, Gs_c, rn, Aqk, Ms_c, t0, eos, row0, i * 16 + jj, i_h, s_qt, s_qh,
-                          b_qt, b_kt, b_Gt, top, b_qa, b_ka, b_Ga, bot, K, BT)
-    # Aqk's upper right 8 x 8 of the block (t < j) holds zeros
-    tl.store(Aqk + (row0 + top)[:, None] * BT + bot[None, :],
-             tl.zeros([8, 8], dtype=Aqk.dtype.element_ty))
+            b_Aqt, b_Akt, b_Aqb, b_Akb = _upper_column(
+                k, Gs_c, rn, t0, eos, row0, i * 16 + jj, jj, i_h, s_qt, s_qh, b_qt, b_kt, b_Gt,
+                top, b_qa, b_ka, b_Ga, b_Aqt, b_Akt, b_Aqb, b_Akb, K)
+    # Aqk's block (zeros above the diagonal come out of the masked exponents and the zero
+    # initialised upper-right quarter); Akk strictly lower to Ms
+    c16 = i * 16 + tl.arange(0, 16)
+    dt = Aqk.dtype.element_ty
+    tl.store(Aqk + (row0 + top)[:, None] * BT + c16[None, :], b_Aqt.to(dt))
+    tl.store(Aqk + (row0 + bot)[:, None] * BT + c16[None, :], b_Aqb.to(dt))
+    tl.store(Ms_c + top[:, None] * BT + c16[None, :],
+             tl.where(top[:, None] > c16[None, :], b_Akt, 0.0))
+    tl.store(Ms_c + bot[:, None] * BT + c16[None, :],
+             tl.where(bot[:, None] > c16[None, :], b_Akb, 0.0))
     tl.debug_barrier()  # the block's Akk columns, stored by all threads, before reading it back
     r16 = tl.arange(0, 16)
     p_L = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (i * 16, i * 16), (16, 16), (1, 0))
