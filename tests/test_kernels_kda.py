@@ -382,17 +382,17 @@ INTERPRETER_CASES = {
         lambda: check_chunk_intra("split", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0),
     "split_chunk64_huge_decay_varlen_fp32":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0),
-    # the diagonal blocks element-wise in a kernel of their own (split_diag="elem")
-    "split_elem_chunk64_varlen_gate_fp32":
+    # the diagonal blocks by levels of small dots in the block-row kernel (split_diag="levels"),
+    # and the element-wise diagonal kernel's other launch settings
+    "split_levels_chunk64_varlen_gate_fp32":
         lambda: check_chunk_intra("split", [5, 70, 33], 2, 32, 64, f32, 1e-4, 64, True,
-                                  cfg=dict(split_diag="elem")),
-    "split_elem_chunk16_huge_decay_fp32":
+                                  cfg=dict(split_diag="levels")),
+    "split_levels_chunk16_huge_decay_fp32":
         lambda: check_chunk_intra("split", [1, 45], 2, 16, 16, f32, 1e-4, 16, False, 40.0,
-                                  cfg=dict(split_diag="elem", split_warps_d=2,
-                                           split_unroll_d=True)),
-    "split_elem_chunk32_huge_decay_varlen_fp16":
+                                  cfg=dict(split_diag="levels")),
+    "split_elem_rolled_chunk32_huge_decay_varlen_fp16":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f16, 5e-3, 32, True, 40.0,
-                                  cfg=dict(split_diag="elem")),
+                                  cfg=dict(split_warps_d=2, split_unroll_d=False)),
     "conv_decode": lambda: check_conv([1, 1, 1], 48, 4, True),
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
@@ -479,8 +479,8 @@ def test_gpu_chunk_intra(mode, lens, decay):
     ("sub", dict(sub_maxnreg=168)),
     ("sub", dict(sub_split=True, sub_maxnreg=168, sub_maxnreg_wu=128)),
     ("split", dict(split_BK_a=16, split_warps_a=4)),
-    ("split", dict(split_diag="elem")),
-    ("split", dict(split_diag="elem", split_warps_d=8, split_BK_a=16)),
+    ("split", dict(split_diag="levels")),
+    ("split", dict(split_warps_d=8, split_unroll_d=False, split_BK_a=16)),
     ("split", dict(split_inv_apart=False, split_maxnreg=168)),
     ("split", dict(split_inv_prec="tf32x3", split_warps_inv=4))])
 def test_gpu_chunk_intra_variants(mode, cfg):

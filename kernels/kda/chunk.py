@@ -9,11 +9,12 @@ Two stages (plus a tiny host-built chunk map for varlen batches):
    The output is formed here, so the per-chunk states never go to memory unless asked for
    (`return_chunk_states`, for prefix caching).
 Stage 1 has three implementations with the same outputs: "split" (chunk_intra_split.py: the
-sub kernel's phase 0, one one-warp program per 16-row block-row, the sub kernel's phase 3 with
-a block inverse; the default since H200 run 37 of 2026-12-04: prefill at T = 32K 6.71 ms vs
-8.78 for "sub"), "sub" (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: one program per
-chunk, 16-row sub-chunk tiles and fp32 scratch; 8.66 vs 11.21 ms for "fused" in run 6) and
-"fused" (`_chunk_kda_intra_kernel`, full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;
+sub kernel's phase 0, the diagonal 16 x 16 blocks element-wise, one one-warp program per 16-row
+block-row for the rest, the sub kernel's phase 3 with a block inverse; the default since H200
+run 37 of 2026-12-04: prefill at T = 32K 6.71 ms vs 8.78 for "sub"), "sub"
+(`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: one program per chunk, 16-row sub-chunk
+tiles and fp32 scratch; 8.66 vs 11.21 ms for "fused" in run 6) and "fused"
+(`_chunk_kda_intra_kernel`, full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;
 CONFIG["intra"] can be changed at run time (tests, benchmarks).
 """
 
@@ -53,10 +54,12 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # 41, T = 128K: 24.1 ms with 2 warps vs 25.8 for tf32x3 with 4; output vs the fused
           # stage 1 3.2e-4 instead of 1.9e-4 relative, fla's 4.9e-3)
           "split_inv_prec": "tf32",
-          # split_diag: the diagonal 16 x 16 blocks of Aqk / Akk by "levels" of small dots in the
-          # block-row kernel, or "elem": element-wise in a kernel of their own
-          # (`_kda_intra_diag_kernel`, split_warps_d warps), the block-row kernel doing the rest
-          "split_diag": "levels", "split_warps_d": 4, "split_unroll_d": False}
+          # split_diag: the diagonal 16 x 16 blocks of Aqk / Akk element-wise in a kernel of
+          # their own ("elem": `_kda_intra_diag_kernel`, split_warps_d warps, its column loop
+          # unrolled with split_unroll_d), the block-row kernel doing the rest; or "levels" of
+          # small dots inside the block-row kernel (session 13, T = 32K: diagonal kernel 1.46 ms
+          # + block-row 0.91 against 2.54 for the block-row kernel with levels)
+          "split_diag": "elem", "split_warps_d": 4, "split_unroll_d": True}
 INTRA_MODES = ("fused", "sub", "split")
 
 

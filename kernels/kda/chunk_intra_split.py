@@ -4,17 +4,20 @@
 Same outputs as `_chunk_kda_intra_kernel` (chunk_intra.py; w, u, qg, kg, Aqk in head-major
 chunk slots, gl = 2^G_last), same math. The "sub" kernel does everything for one (chunk, head)
 in one long program: ~150 dependent small steps at 2 CTAs per SM, latency-bound (H200, T = 32K,
-H = 40: ~93 us per program, 7.2 ms). Here three launches:
+H = 40: ~93 us per program, 7.2 ms). Here four launches:
 
 1. the sub kernel's phase 0 (PHASES=1): G = in-chunk cumsum of the log2 decay and the row norms
    of q and k to scratch;
-2. `_kda_intra_a_kernel` below, grid (chunks x BT / 16, H): block-row i of a chunk per program
-   (the sub kernel's phase-1 step, `_block_row`), four times the programs, each a short chain,
-   and one warp each (no CTA barriers in the layout changes of the small dots; H200 runs
-   34-35: fewest warps fastest, whole prefill at T = 32K 6.9 ms at 1 warp, 8.4 at 4), then X_i =
-   (I + L_ii)^-1 of its diagonal Akk block; L is strictly lower 16 x 16, so L^16 = 0 and
-   X_i = (I - L)(I + L^2)(I + L^4)(I + L^8): six dependent fp32 dots.
-   Writes Aqk's block-row and, to scratch Ms, X_i on the diagonal block and Akk left of it;
+2. `_kda_intra_diag_kernel` below (split_diag="elem", the default), grid (chunks x BT / 16, H):
+   the diagonal 16 x 16 blocks of Aqk and Akk element-wise, then X_i = (I + L_ii)^-1 of the
+   Akk block: L is strictly lower 16 x 16, so L^16 = 0 and X_i = (I - L)(I + L^2)(I + L^4)
+   (I + L^8), six dependent fp32 dots (`inverse16`);
+   `_kda_intra_a_kernel` below, the same grid: block-row i of a chunk per program (the sub
+   kernel's phase-1 step, `_block_row`), the blocks left of the diagonal (and zeros right of
+   it in Aqk), one warp each (no CTA barriers in the layout changes of the small dots; H200
+   runs 34-35: fewest warps fastest). With split_diag="levels" it also does the diagonal
+   blocks by levels of small dots and X_i, and the diagonal kernel is not launched.
+   Together they write Aqk and, to scratch Ms, X_i on the diagonal blocks and Akk left of them;
 3. M = (I + Akk)^-1 from Ms in four [BT, BT] dots (`block_inverse`; the sub kernel with
    PHASES=8, written back to Ms), then the sub kernel's phase 3 (PHASES=4): w = M (beta k 2^G),
    u = M (beta v), qg, kg, gl. (split_inv_apart=False: the inverse inside phase 3, BLOCK_INV;
