@@ -104,9 +104,9 @@ def plot_gemm16(out: Path) -> None:
 
 
 def plot_kda_prefill(out: Path) -> None:
-    """Prefill time per token of each stage-1 implementation and of fla's chunk_kda (run 37)."""
+    """Prefill time per token of each stage-1 implementation and of fla's chunk_kda (run 49)."""
     rows = [json.loads(line) for line in
-            (HERE / "results" / "kda_intra_run37.jsonl").read_text().splitlines()]
+            (HERE / "results" / "kda_intra_run49.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("kind") == "intra_compare"]
     Ts = [r["T"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -116,7 +116,7 @@ def plot_kda_prefill(out: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens T (one sequence, H = 40, K = V = 128)")
     ax.set_ylabel("us per token (lower is better)")
-    ax.set_title("KDA prefill (chunk_kda) on the H200, run 37")
+    ax.set_title("KDA prefill (chunk_kda) on the H200, run 49")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
