@@ -29,6 +29,16 @@ from volundr.kernels.kda.utils import RCP_LN2, kda_gate_act
 
 
 @triton.jit
+def _chunk_bounds(chunk_idx, cu_seqlens, i_c, BT: tl.constexpr):
+    """Chunk i_c of the packed batch (chunk_idx: its sequence and index in it): its first token
+    t0 and the end of its sequence eos, int64."""
+    i_n = tl.load(chunk_idx + 2 * i_c)
+    i_t = tl.load(chunk_idx + 2 * i_c + 1)
+    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + i_t * BT
+    return t0, tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+
+
+@triton.jit
 def _load_qkg(q, k, g, A_log, dt_bias, t0, m_t, i_h, i_k, TT, s_qt, s_qh,
               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
@@ -61,10 +71,7 @@ def _chunk_kda_intra_kernel(
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_idx + 2 * i_c)
-    i_t = tl.load(chunk_idx + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + i_t * BT
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0, eos = _chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
     o_t = tl.arange(0, BT)
     tok = t0 + o_t
     m_t = tok < eos

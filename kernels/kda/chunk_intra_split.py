@@ -31,7 +31,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from volundr.kernels.kda.chunk_intra import _chunk_bounds
 from volundr.kernels.kda.chunk_intra_sub import _block_row, inverse16
+
+
+@triton.jit
+def _sub_chunk_program(chunk_idx, cu_seqlens, NC, BT: tl.constexpr):
+    """Program (chunk x BT / 16 + i, head) of the kernels below: sub-chunk i, head i_h, the
+    chunk's first token t0, its sequence's end eos and the chunk's head-major slot row0."""
+    NS: tl.constexpr = BT // 16
+    i_ci, i_h = tl.program_id(0), tl.program_id(1)
+    i_c = i_ci // NS
+    t0, eos = _chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
+    return i_ci % NS, i_h, t0, eos, (i_h * NC + i_c).to(tl.int64) * BT
 
 
 @triton.jit(do_not_specialize=["T", "NC"])
@@ -41,14 +53,7 @@ def _kda_intra_a_kernel(
     BETA_SIGMOID: tl.constexpr, DIAG: tl.constexpr,
 ):
     """DIAG=False: only the blocks off the diagonal (`_kda_intra_diag_kernel` does the rest)."""
-    NS: tl.constexpr = BT // 16
-    i_ci, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, i = i_ci // NS, i_ci % NS
-    i_n = tl.load(chunk_idx + 2 * i_c)
-    i_t = tl.load(chunk_idx + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + i_t * BT
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    row0 = (i_h * NC + i_c).to(tl.int64) * BT
+    i, i_h, t0, eos, row0 = _sub_chunk_program(chunk_idx, cu_seqlens, NC, BT)
     Ms_c = Ms + row0 * BT
     b_L = _block_row(q, k, beta, Aqk, Ms_c, Gs + row0 * K, rn, t0, eos, row0, i, i_h, scale, T,
                      s_qt, s_qh, H, K, BT, BK, BETA_SIGMOID, DIAG)
@@ -143,14 +148,7 @@ def _kda_intra_diag_kernel(
     where the triangle needs 36 x K, none for the lower-left quarter (64 pairs).
     Then X_i = (I + L_ii)^-1 of the Akk block (read back from Ms) on Ms's diagonal.
     Grid (chunks x BT / 16, H), as `_kda_intra_a_kernel` with DIAG=False, which does the rest."""
-    NS: tl.constexpr = BT // 16
-    i_ci, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, i = i_ci // NS, i_ci % NS
-    i_n = tl.load(chunk_idx + 2 * i_c)
-    i_t = tl.load(chunk_idx + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + i_t * BT
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    row0 = (i_h * NC + i_c).to(tl.int64) * BT
+    i, i_h, t0, eos, row0 = _sub_chunk_program(chunk_idx, cu_seqlens, NC, BT)
     Gs_c = Gs + row0 * K
     Ms_c = Ms + row0 * BT
     r8 = tl.arange(0, 8)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from volundr.kernels.kda.chunk_intra import _load_qkg
+from volundr.kernels.kda.chunk_intra import _chunk_bounds, _load_qkg
 
 
 @triton.jit
@@ -207,10 +207,7 @@ def _chunk_kda_intra_sub_kernel(
     the block inverse's dots."""
     NS: tl.constexpr = BT // 16
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_idx + 2 * i_c)
-    i_t = tl.load(chunk_idx + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + i_t * BT
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0, eos = _chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = (t0 + o_t) < eos
     r16 = tl.arange(0, 16)
