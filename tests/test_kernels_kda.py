@@ -393,13 +393,6 @@ INTERPRETER_CASES = {
     "split_elem_rolled_chunk32_huge_decay_varlen_fp16":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f16, 5e-3, 32, True, 40.0,
                                   cfg=dict(split_warps_d=2, split_unroll_d=False)),
-    # the blocks left of the diagonal folded into the diagonal kernel (two channel blocks; one)
-    "split_fold_chunk64_huge_decay_varlen_fp32":
-        lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f32, 1e-4, 64, True, 40.0,
-                                  cfg=dict(split_BK_o=16)),
-    "split_fold_chunk32_gate_fp16":
-        lambda: check_chunk_intra("split", [5, 70, 33], 2, 32, 32, f16, 5e-3, 32, True,
-                                  cfg=dict(split_BK_o=128)),
     "conv_decode": lambda: check_conv([1, 1, 1], 48, 4, True),
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
@@ -488,8 +481,6 @@ def test_gpu_chunk_intra(mode, lens, decay):
     ("split", dict(split_BK_a=16, split_warps_a=4)),
     ("split", dict(split_diag="levels")),
     ("split", dict(split_warps_d=8, split_unroll_d=False, split_BK_a=16)),
-    ("split", dict(split_BK_o=32)),
-    ("split", dict(split_BK_o=128)),
     ("split", dict(split_inv_apart=False, split_maxnreg=168)),
     ("split", dict(split_inv_prec="tf32x3", split_warps_inv=4))])
 def test_gpu_chunk_intra_variants(mode, cfg):

@@ -59,10 +59,7 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # unrolled with split_unroll_d), the block-row kernel doing the rest; or "levels" of
           # small dots inside the block-row kernel (session 13, T = 32K: diagonal kernel 1.46 ms
           # + block-row 0.91 against 2.54 for the block-row kernel with levels)
-          "split_diag": "elem", "split_warps_d": 4, "split_unroll_d": True,
-          # split_BK_o: with "elem", > 0 folds the blocks left of the diagonal into the diagonal
-          # kernel (channel blocks of that many; the block-row kernel is then not launched)
-          "split_BK_o": 0, "split_maxnreg_d": None}
+          "split_diag": "elem", "split_warps_d": 4, "split_unroll_d": True}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -237,17 +234,15 @@ def chunk_kda(
         if CONFIG["split_diag"] not in ("levels", "elem"):
             raise ValueError(f"CONFIG['split_diag'] must be 'levels' or 'elem', "
                              f"got {CONFIG['split_diag']!r}")
-        fold = min(CONFIG["split_BK_o"], K) if elem else 0
         if elem:
             _kda_intra_diag_kernel[(NT * (BT // 16), H)](
                 *a_args, H=H, K=K, BT=BT, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
-                UNROLL=CONFIG["split_unroll_d"], BK_O=fold, num_warps=CONFIG["split_warps_d"],
-                num_stages=1, **({"maxnreg": nr} if (nr := CONFIG["split_maxnreg_d"]) else {}))
-        if not fold:
-            _kda_intra_a_kernel[(NT * (BT // 16), H)](
-                *a_args, H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
-                BETA_SIGMOID=use_beta_sigmoid_in_kernel, DIAG=not elem,
-                num_warps=CONFIG["split_warps_a"], num_stages=1)
+                UNROLL=CONFIG["split_unroll_d"], num_warps=CONFIG["split_warps_d"],
+                num_stages=1)
+        _kda_intra_a_kernel[(NT * (BT // 16), H)](
+            *a_args, H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
+            BETA_SIGMOID=use_beta_sigmoid_in_kernel, DIAG=not elem,
+            num_warps=CONFIG["split_warps_a"], num_stages=1)
         nreg = CONFIG["split_maxnreg"]
         if CONFIG["split_inv_apart"]:
             _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8,

@@ -137,7 +137,7 @@ def _upper_column(k, Gs_c, rn, t0, eos, row0, j, jj, i_h, s_qt, s_qh, b_qt, b_kt
 def _kda_intra_diag_kernel(
     q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, T, NC, s_qt, s_qh,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    UNROLL: tl.constexpr, BK_O: tl.constexpr = 0,
+    UNROLL: tl.constexpr,
 ):
     """The 16 x 16 diagonal blocks of Aqk and Akk element-wise (fla's token-parallel form,
     here one program per (sub-chunk, head)): column j of the block is one pass over the rows
@@ -147,9 +147,7 @@ def _kda_intra_diag_kernel(
     through an anchor row (one [K] exponent per column). Exponents: 8 x 8 x K per half
     where the triangle needs 36 x K, none for the lower-left quarter (64 pairs).
     Then X_i = (I + L_ii)^-1 of the Akk block (read back from Ms) on Ms's diagonal.
-    Grid (chunks x BT / 16, H), as `_kda_intra_a_kernel` with DIAG=False, which does the rest;
-    or, BK_O > 0, the rest here too (`_block_row`'s off-diagonal part, channel blocks of BK_O),
-    after the diagonal: the sub-chunk's q / k rows are then L1 hits and one launch goes."""
+    Grid (chunks x BT / 16, H), as `_kda_intra_a_kernel` with DIAG=False, which does the rest."""
     i, i_h, t0, eos, row0 = _sub_chunk_program(chunk_idx, cu_seqlens, NC, BT)
     Gs_c = Gs + row0 * K
     Ms_c = Ms + row0 * BT
@@ -202,6 +200,3 @@ def _kda_intra_diag_kernel(
     b_L = tl.where(r16[:, None] > r16[None, :], tl.load(p_L), 0.0)
     tl.debug_barrier()  # read by every thread before X overwrites it
     tl.store(p_L, inverse16(b_L))
-    if BK_O > 0:
-        _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T, s_qt, s_qh,
-                   H, K, BT, BK_O, BETA_SIGMOID, False)

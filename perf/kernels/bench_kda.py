@@ -237,10 +237,9 @@ VARIANTS = {
     "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
             {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
-    "split": [{}, {"split_BK_o": 32}, {"split_BK_o": 64},
-              {"split_BK_o": 64, "split_maxnreg_d": 128}, {"split_BK_o": 128},
-              {"split_BK_o": 128, "split_warps_d": 8}, {"split_BK_o": 32, "split_maxnreg_d": 128},
-              {"split_inv_apart": False, "split_BK_o": 64, "split_maxnreg_d": 128}],
+    "split": [{}, {"split_diag": "levels"}, {"split_unroll_d": False},
+              {"split_warps_d": 2}, {"split_warps_d": 8}, {"split_inv_apart": False},
+              {"split_BK_a": 16}],
 }
 
 
