@@ -59,7 +59,10 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # unrolled with split_unroll_d), the block-row kernel doing the rest; or "levels" of
           # small dots inside the block-row kernel (session 13, T = 32K: diagonal kernel 1.46 ms
           # + block-row 0.91 against 2.54 for the block-row kernel with levels)
-          "split_diag": "elem", "split_warps_d": 4, "split_unroll_d": True}
+          "split_diag": "elem", "split_warps_d": 4, "split_unroll_d": True,
+          # split_M16: for 16-bit inputs the block inverse writes M in that dtype and phase 3's
+          # w / u dots run in it (fla's precision there); split_stages: phase 3's num_stages
+          "split_M16": False, "split_stages": 1}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -204,12 +207,15 @@ def chunk_kda(
         Gs = torch.empty(H, NT * BT, K, dtype=torch.float32, device=q.device)
         Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
         rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
+        # the same memory as Ms, 16-bit: M for phase 3's 16-bit dots (split_M16)
+        m16 = mode == "split" and CONFIG["split_M16"] and dt != torch.float32
+        Mh = Ms.view(dt) if m16 else Ms
     if NT > 0 and mode == "sub":
         # sub_split: phases 0-2 and phase 3 as two launches (each its own register budget)
         for phases in ((3, 4) if CONFIG["sub_split"] else (7,)):
             _chunk_kda_intra_sub_kernel[(NT, H)](
-                q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
-                chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh,
+                q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, Mh, rn,
+                cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh,
                 H=H, K=K, V=V, BT=BT, BK=min(CONFIG["sub_BK"], K),
                 BK1=min(CONFIG["sub_BK1"], K), BV=min(CONFIG["sub_BV"], V),
                 L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,
@@ -224,9 +230,10 @@ def chunk_kda(
                      BETA_SIGMOID=use_beta_sigmoid_in_kernel)
         sub = dict(H=H, K=K, V=V, BT=BT, BK=min(CONFIG["split_BK"], K),
                    BK1=min(CONFIG["sub_BK1"], K), BV=min(CONFIG["split_BV"], V),
-                   L2NORM=use_qk_l2norm_in_kernel, INV_PREC=CONFIG["split_inv_prec"], **flags)
-        args = (q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens,
-                chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
+                   L2NORM=use_qk_l2norm_in_kernel, INV_PREC=CONFIG["split_inv_prec"], M16=m16,
+                   **flags)
+        args = (q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, Mh, rn,
+                cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=CONFIG["split_warps_0"],
                                              num_stages=1, **sub)
         a_args = (q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh)
@@ -250,7 +257,8 @@ def chunk_kda(
                                                  num_stages=1, **sub)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=4,
                                              BLOCK_INV=not CONFIG["split_inv_apart"],
-                                             num_warps=CONFIG["split_warps"], num_stages=1,
+                                             num_warps=CONFIG["split_warps"],
+                                             num_stages=CONFIG["split_stages"],
                                              **sub,
                                              **({"maxnreg": nreg} if nreg else {}))
     elif NT > 0:

@@ -191,12 +191,13 @@ def _block_row(q, k, beta, Aqk, Ms_c, Gs_c, rn, t0, eos, row0, i, i_h, scale, T,
 
 @triton.jit(do_not_specialize=["T", "NC"])
 def _chunk_kda_intra_sub_kernel(
-    q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, rn, cu_seqlens, chunk_idx,
-    scale, T, NC, s_qt, s_qh, s_vt, s_vh,
+    q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, Mh, rn, cu_seqlens,
+    chunk_idx, scale, T, NC, s_qt, s_qh, s_vt, s_vh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BK1: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, PHASES: tl.constexpr = 7,
     BLOCK_INV: tl.constexpr = False, INV_PREC: tl.constexpr = "tf32x3",
+    M16: tl.constexpr = False,
 ):
     """PHASES, bits: 1 = phase 0, 2 = phases 1-2, 4 = phase 3, 8 = M = `block_inverse` of Ms in
     place (7: all in one launch; 3 then 4: two launches, each with its own register budget; the
@@ -204,7 +205,9 @@ def _chunk_kda_intra_sub_kernel(
     BLOCK_INV or 8 then 4: the split path).
     BLOCK_INV: phase 3 finds M from Ms holding X_i = (I + L_ii)^-1 on the diagonal blocks and
     Akk left of them (see chunk_intra_split.py) instead of reading M. INV_PREC: the precision of
-    the block inverse's dots."""
+    the block inverse's dots. M16: M in Mh's 16-bit dtype (phase 8 writes it there, Mh being Ms's
+    memory seen as 16-bit, rows 2 BT apart) and the w / u dots in 16 bit, as fla's
+    `recompute_w_u` does with its bf16 A (half the M traffic, full-rate tensor cores)."""
     NS: tl.constexpr = BT // 16
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = _chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
@@ -268,9 +271,17 @@ def _chunk_kda_intra_sub_kernel(
             tl.store(Ms_c + r_i[:, None] * BT + o_t[None, :], b_Mi)
             tl.debug_barrier()  # M_i visible to the next block-rows and to phase 3
 
+    # M as 16-bit: Ms's rows seen as 2 BT 16-bit values, M in the first BT of them
+    p_Mh = tl.make_block_ptr(Mh + row0 * 2 * BT, (BT, BT), (2 * BT, 1), (0, 0), (BT, BT), (1, 0))
     if PHASES & 8:
         p_S = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-        tl.store(p_S, block_inverse(tl.load(p_S), BT, INV_PREC))
+        b_M = block_inverse(tl.load(p_S), BT, INV_PREC)
+        if M16:
+            # (the dots inside block_inverse exchange through shared memory with barriers, so
+            # every thread has read Ms before any thread overwrites it)
+            tl.store(p_Mh, b_M.to(Mh.dtype.element_ty))
+        else:
+            tl.store(p_S, b_M)
 
     if PHASES & 4:
         # ---- phase 3: w, qg, kg, the chunk decay 2^G_last, u
@@ -282,10 +293,15 @@ def _chunk_kda_intra_sub_kernel(
         b_b = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
         if BETA_SIGMOID:
             b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
-        p_M = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-        b_M = tl.load(p_M)
-        if BLOCK_INV:
-            b_M = block_inverse(b_M, BT, INV_PREC)
+        if M16 and not BLOCK_INV:
+            b_M = tl.load(p_Mh)
+        else:
+            p_M = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
+            b_M = tl.load(p_M)
+            if BLOCK_INV:
+                b_M = block_inverse(b_M, BT, INV_PREC)
+                if M16:
+                    b_M = b_M.to(Mh.dtype.element_ty)
         for i_k in range((K + BK - 1) // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -300,7 +316,7 @@ def _chunk_kda_intra_sub_kernel(
             b_Gl = tl.load(Gs_c + (BT - 1) * K + o_k, mask=m_k, other=0.0)  # padded rows add 0
             b_kn = b_k * b_rk[:, None]
             b_eG = tl.exp2(b_G)
-            b_w = tl.dot(b_M, b_kn * b_eG * b_b[:, None])
+            b_w = tl.dot(b_M, (b_kn * b_eG * b_b[:, None]).to(b_M.dtype))
             o_c = (0, i_k * BK)
             p_w = tl.make_block_ptr(w + row0 * K, (BT, K), (K, 1), o_c, (BT, BK), (1, 0))
             p_qg = tl.make_block_ptr(qg + row0 * K, (BT, K), (K, 1), o_c, (BT, BK), (1, 0))
@@ -315,6 +331,6 @@ def _chunk_kda_intra_sub_kernel(
             off = (t0.to(tl.int32), i_v * BV)
             p_v = tl.make_block_ptr(v + i_h * s_vh, (T, V), (s_vt, 1), off, (BT, BV), (1, 0))
             b_v = tl.load(p_v, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-            b_u = tl.dot(b_M, tl.where(m_t[:, None], b_v * b_b[:, None], 0.0))
+            b_u = tl.dot(b_M, tl.where(m_t[:, None], b_v * b_b[:, None], 0.0).to(b_M.dtype))
             p_u = tl.make_block_ptr(u + row0 * V, (BT, V), (V, 1), (0, i_v * BV), (BT, BV), (1, 0))
             tl.store(p_u, b_u.to(u.dtype.element_ty), boundary_check=(1,))

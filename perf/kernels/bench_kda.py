@@ -237,9 +237,10 @@ VARIANTS = {
     "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
             {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
-    "split": [{}, {"split_diag": "levels"}, {"split_unroll_d": False},
-              {"split_warps_d": 2}, {"split_warps_d": 8}, {"split_inv_apart": False},
-              {"split_BK_a": 16}],
+    "split": [{}, {"split_M16": True}, {"split_stages": 2}, {"split_M16": True, "split_stages": 2},
+              {"split_M16": True, "split_stages": 3}, {"split_M16": True, "split_warps": 8},
+              {"split_M16": True, "split_maxnreg": 128},
+              {"split_M16": True, "split_inv_apart": False}],
 }
 
 
