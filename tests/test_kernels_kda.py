@@ -393,13 +393,13 @@ INTERPRETER_CASES = {
     "split_elem_rolled_chunk32_huge_decay_varlen_fp16":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f16, 5e-3, 32, True, 40.0,
                                   cfg=dict(split_warps_d=2, split_unroll_d=False)),
-    # M in 16 bit and phase 3's w / u dots in it; also with the inverse inside phase 3
+    # M in 16 bit and phase 3's w / u dots in it (the default), and in fp32
     "split_m16_chunk64_huge_decay_varlen_fp16":
         lambda: check_chunk_intra("split", [130, 7, 64], 2, 32, 32, f16, 5e-3, 64, True, 40.0,
                                   cfg=dict(split_M16=True)),
-    "split_m16_inv_in_phase3_chunk32_fp16":
+    "split_m32_chunk32_fp16":  # M in fp32 (and so the w / u dots in tf32)
         lambda: check_chunk_intra("split", [5, 70, 33], 2, 32, 32, f16, 5e-3, 32, False,
-                                  cfg=dict(split_M16=True, split_inv_apart=False)),
+                                  cfg=dict(split_M16=False, split_stages=1)),
     "conv_decode": lambda: check_conv([1, 1, 1], 48, 4, True),
     "conv_varlen": lambda: check_conv([5, 1, 2, 40], 80, 4, True),
     "conv_no_state_w3": lambda: check_conv([7, 3], 16, 3, False),
@@ -488,8 +488,7 @@ def test_gpu_chunk_intra(mode, lens, decay):
     ("split", dict(split_BK_a=16, split_warps_a=4)),
     ("split", dict(split_diag="levels")),
     ("split", dict(split_warps_d=8, split_unroll_d=False, split_BK_a=16)),
-    ("split", dict(split_M16=True, split_stages=2)),
-    ("split", dict(split_M16=True, split_inv_apart=False)),
+    ("split", dict(split_M16=False, split_stages=1)),
     ("split", dict(split_inv_apart=False, split_maxnreg=168)),
     ("split", dict(split_inv_prec="tf32x3", split_warps_inv=4))])
 def test_gpu_chunk_intra_variants(mode, cfg):

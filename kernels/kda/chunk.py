@@ -60,9 +60,11 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # small dots inside the block-row kernel (session 13, T = 32K: diagonal kernel 1.46 ms
           # + block-row 0.91 against 2.54 for the block-row kernel with levels)
           "split_diag": "elem", "split_warps_d": 4, "split_unroll_d": True,
-          # split_M16: for 16-bit inputs the block inverse writes M in that dtype and phase 3's
-          # w / u dots run in it (fla's precision there); split_stages: phase 3's num_stages
-          "split_M16": False, "split_stages": 1}
+          # split_M16: for 16-bit inputs the block inverse (split_inv_apart only) writes M in
+          # that dtype and phase 3's w / u dots run in it (fla's precision there); split_stages:
+          # phase 3's num_stages (run 54, T = 32K: phase 3 1.08 ms -> 0.96 with both; either
+          # alone is slower: 1.13 / 1.15)
+          "split_M16": True, "split_stages": 3}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -208,7 +210,8 @@ def chunk_kda(
         Ms = torch.empty(H, NT * BT, BT, dtype=torch.float32, device=q.device)
         rn = torch.empty(H, NT * BT, 2, dtype=torch.float32, device=q.device)
         # the same memory as Ms, 16-bit: M for phase 3's 16-bit dots (split_M16)
-        m16 = mode == "split" and CONFIG["split_M16"] and dt != torch.float32
+        m16 = (mode == "split" and CONFIG["split_M16"] and CONFIG["split_inv_apart"]
+               and dt != torch.float32)
         Mh = Ms.view(dt) if m16 else Ms
     if NT > 0 and mode == "sub":
         # sub_split: phases 0-2 and phase 3 as two launches (each its own register budget)

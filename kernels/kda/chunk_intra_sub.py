@@ -293,15 +293,13 @@ def _chunk_kda_intra_sub_kernel(
         b_b = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
         if BETA_SIGMOID:
             b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
-        if M16 and not BLOCK_INV:
+        if M16:  # (not with BLOCK_INV: the H200 gave garbage for that pair, run 54)
             b_M = tl.load(p_Mh)
         else:
             p_M = tl.make_block_ptr(Ms_c, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
             b_M = tl.load(p_M)
             if BLOCK_INV:
                 b_M = block_inverse(b_M, BT, INV_PREC)
-                if M16:
-                    b_M = b_M.to(Mh.dtype.element_ty)
         for i_k in range((K + BK - 1) // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
