@@ -148,12 +148,15 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                    scale: float, max_q_len: int, max_context_len: int) -> torch.Tensor:
-    """Causal GQA attention of the new tokens over cache + themselves; o [T, Hq, D]."""
+                    scale: float, max_q_len: int, max_context_len: int, k_new=None,
+                    v_new=None) -> torch.Tensor:
+    """Causal GQA attention of the new tokens over cache + themselves; o [T, Hq, D].
+    k_new / v_new: the new tokens' K/V just stored (the CUDA prefill may read them directly)."""
     fast = _fast(q, "attention")
     if fast is not None:
         return fast.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                    context_lens, scale, max_q_len, max_context_len)
+                                    context_lens, scale, max_q_len, max_context_len, k_new,
+                                    v_new)
     return naive_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                  context_lens, scale)
 

@@ -49,7 +49,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
+def new_kv(kc, vc, bt, cu, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' K/V [T, KVH, D] read back from the cache (what store_kv stored), as
+    column slices of one wider buffer: strided rows, like the engine's split of the fused QKV."""
+    BS, KVH, D = kc.shape[1:]
+    T = int(cu[-1])
+    kv = torch.zeros(T, 3 * KVH * D, dtype=kc.dtype, device=kc.device)
+    k = kv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
+    v = kv[:, 2 * KVH * D:].view(T, KVH, D)
+    for n in range(len(cu) - 1):
+        s, e, c = int(cu[n]), int(cu[n + 1]), int(ctx[n])
+        pos = torch.arange(c - (e - s), c, device=kc.device)
+        page, row = bt[n, pos // BS].long(), pos % BS
+        k[s:e], v[s:e] = kc[page, row], vc[page, row]
+    return k, v
+
+
 def check_attention(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, seed, **kw) -> None:
+    """kw: decode=True (the decode kernel), max_context_len, with_new (pass the new tokens'
+    K/V as k_new / v_new), any other: paged_prefill_attention's (no kw: the engine entry)."""
     from volundr.kernels.attention.decode import paged_decode_attention
     from volundr.kernels.attention.engine import paged_attention
     from volundr.kernels.attention.prefill import paged_prefill_attention
@@ -60,12 +78,13 @@ def check_attention(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, seed, **kw) 
     ref = naive_paged_attention(q, kc, vc, bt, cu, ctx, scale)
     # max_context_len may exceed every context (a CUDA graph captured at max_model_len)
     mq, mc = max(q_lens), kw.pop("max_context_len", max(ctx_lens))
+    kn, vn = new_kv(kc, vc, bt, cu, ctx) if kw.pop("with_new", False) else (None, None)
     if kw.pop("decode", False):
         out = paged_decode_attention(q, kc, vc, bt, cu, ctx, scale, mc, **kw)
     elif kw:
-        out = paged_prefill_attention(q, kc, vc, bt, cu, ctx, scale, mq, **kw)
+        out = paged_prefill_attention(q, kc, vc, bt, cu, ctx, scale, mq, kn, vn, **kw)
     else:
-        out = paged_attention(q, kc, vc, bt, cu, ctx, scale, mq, mc)
+        out = paged_attention(q, kc, vc, bt, cu, ctx, scale, mq, mc, kn, vn)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"seed={seed} q_lens={q_lens} ctx={ctx_lens} {kw}: rel err {err}"
 
@@ -98,6 +117,16 @@ PREFILL_CASES = [
     ([13, 0, 4, 22], [40, 6, 4, 23], (6, 2, 16, 8)),
     ([33], [50], (4, 1, 32, 16)),
 ]
+# The two-phase kernel (prefill_phased.py): no prefix, several sequences, q_len not a multiple
+# of BLOCK_M, prefixes not a multiple of BLOCK_N, a single new token, an empty sequence.
+PHASED_CASES = [
+    ([37], [37], (4, 2, 16, 4)),
+    ([20, 9, 33], [20, 9, 33], (6, 2, 32, 8)),
+    ([13, 0, 4, 22, 1], [40, 6, 4, 23, 17], (6, 2, 16, 8)),
+]
+# impl, launch config (BLOCK_M > BLOCK_N: several diagonal tiles)
+PHASED_CFGS = [("desc", dict(block_m=16, block_n=8)), ("desc", dict(block_m=32, block_n=32)),
+               ("phased", dict(block_m=16, block_n=8))]
 # (ctx_lens, q_lens): one new token each; a q_len-0 row. Per sequence, splits of
 # max(ceil(ctx / num_splits) rounded up to block_n, min_split) tokens: some sequences get fewer
 # (non-empty) splits than num_splits.
@@ -116,6 +145,22 @@ def run_cpu(group: str) -> None:
                 check_attention(ql, cl, H, KVH, D, BS, dtype, "cpu", _seed(),
                                 block_m=16, block_n=8)
             check_attention([6, 3], [10, 3], 4, 2, 16, 4, dtype, "cpu", _seed())  # via engine
+        elif group == "phased":
+            for ql, cl, (H, KVH, D, BS) in PHASED_CASES:
+                for impl, cfg in PHASED_CFGS:
+                    check_attention(ql, cl, H, KVH, D, BS, dtype, "cpu", _seed(), impl=impl,
+                                    with_new=True, **cfg)
+            check_attention([6, 3], [10, 3], 4, 2, 16, 4, dtype, "cpu", _seed(), impl="desc",
+                            with_new=True, warp_specialize=True, block_m=16, block_n=8)
+            # the engine's default flipped (prefill.IMPL): with k_new / v_new, and without
+            # (falls back to the paged kernel)
+            from volundr.kernels.attention import prefill
+            impl, cfgs = prefill.IMPL, prefill.CONFIGS["desc"]
+            prefill.IMPL, prefill.CONFIGS["desc"] = "desc", dict(block_m=16, block_n=8)
+            for with_new in (True, False):
+                check_attention([9, 3], [12, 3], 4, 2, 16, 4, dtype, "cpu", _seed(),
+                                with_new=with_new)
+            prefill.IMPL, prefill.CONFIGS["desc"] = impl, cfgs
         elif group == "decode":
             for cl, ql in DECODE_CASES:
                 for ns in (None, 1, 3):
@@ -130,7 +175,7 @@ def run_cpu(group: str) -> None:
         check_store(9, 2, 32, 8, torch.bfloat16, "cpu", _seed())
 
 
-@pytest.mark.parametrize("group", ["store", "prefill", "decode"])
+@pytest.mark.parametrize("group", ["store", "prefill", "phased", "decode"])
 def test_interpreter(group):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
@@ -150,6 +195,41 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 ])
 def test_cuda_prefill(q_lens, ctx_lens):
     check_attention(q_lens, ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda", _seed())
+
+
+@gpu
+@pytest.mark.parametrize("impl", ["desc", "phased"])
+@pytest.mark.parametrize("q_lens,ctx_lens", [
+    ([4096], [4096]),
+    ([1000, 1, 513, 37], [1000, 1, 513, 37]),  # varlen, no prefix
+    ([1000, 1, 513, 37], [1000, 4001, 2513, 117]),  # chunked prefill over cached prefixes
+    ([2048, 300], [6000, 300]),
+])
+@pytest.mark.parametrize("cfg", [{}, dict(block_n=64, num_stages=4)])
+def test_cuda_prefill_phased(impl, q_lens, ctx_lens, cfg):
+    check_attention(q_lens, ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda", _seed(),
+                    impl=impl, with_new=True, **cfg)
+
+
+@gpu
+def test_cuda_prefill_phased_matches_paged():
+    """The new kernel (TMA) against the old one on the same inputs: same math, so close."""
+    from volundr.kernels.attention.prefill import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(_seed())
+    q, kc, vc, bt, cu, ctx = make_paged([3000, 700], [3000, 1900], 40, 2, 128, 16,
+                                        torch.bfloat16, "cuda", gen)
+    kn, vn = new_kv(kc, vc, bt, cu, ctx)
+    old = paged_prefill_attention(q, kc, vc, bt, cu, ctx, 128 ** -0.5, 3000, impl="paged")
+    new = paged_prefill_attention(q, kc, vc, bt, cu, ctx, 128 ** -0.5, 3000, kn, vn,
+                                  impl="desc")
+    assert rel_err(new, old) < 1e-2
+
+
+@gpu
+def test_cuda_prefill_via_engine_with_new_kv():
+    check_attention([800, 33], [800, 500], 40, 2, 128, 16, torch.bfloat16, "cuda", _seed(),
+                    with_new=True)
 
 
 @gpu

@@ -102,6 +102,7 @@ def compile_all() -> list[str]:
     import volundr.kernels.attention.decode as decode
     import volundr.kernels.quant.gemv as gemv
     from volundr.kernels.attention import engine as attn
+    from volundr.kernels.attention import prefill
     from volundr.kernels.engram.lookup import embedding_lookup, engram_lookup
     from volundr.kernels.kda import engine as kda
     from volundr.kernels.norm.engine import rms_norm, rms_norm_gated, swiglu
@@ -142,6 +143,17 @@ def compile_all() -> list[str]:
         ctx = torch.tensor([60] * n, dtype=torch.int32)
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
+        # prefill's two-phase kernel (prefill_phased.py): the new tokens' K/V through TMA
+        # descriptors (k, v column slices of a fused projection, as in the engine) or gathered;
+        # the configs perf/kernels/bench_attention.py times (shared memory checked on the GPU)
+        if max(lens) > 1:
+            qkv = torch.randn(t, 44, 128, dtype=bf)
+            kn, vn = qkv[:, 40:42], qkv[:, 42:44]
+            for impl, cfg in [("desc", {}), ("desc", dict(block_n=64, num_stages=4)),
+                              ("desc", dict(warp_specialize=True, num_stages=2)),
+                              ("phased", {})]:
+                prefill.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens),
+                                                kn, vn, impl=impl, **cfg)
 
     # KDA: conv, recurrent (decode and short varlen), chunked prefill (every stage-1
     # implementation, the sub one in two launches too); raw gates in the kernels
@@ -242,8 +254,8 @@ def test_kernels_compile_for_sm90(pdl):
     names = set(r.stdout.split())
     expected = {"_rms_norm_kernel", "_rms_norm_gated_kernel", "_swiglu_kernel", "_lookup_kernel",
                 "_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
-                "_prefill_kernel", "_fused_recurrent_kda_kernel", "_conv_seq_kernel",
-                "_kda_decode_kernel",
+                "_prefill_kernel", "_prefill_phased_kernel", "_fused_recurrent_kda_kernel",
+                "_conv_seq_kernel", "_kda_decode_kernel",
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
                 "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel",
                 "quant_matmul_kernel",

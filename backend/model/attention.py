@@ -40,8 +40,10 @@ class Attention(nn.Module):
         T, hd = x.shape[0], self.hd
         q, k, v = self.qkv_proj(x).split([self.h * hd, self.kvh * hd, self.kvh * hd], dim=-1)
         q, k, v = q.view(T, self.h, hd), k.view(T, self.kvh, hd), v.view(T, self.kvh, hd)
-        # Store first: the new tokens attend to themselves through the cache.
+        # Store first: the new tokens attend to themselves through the cache (prefill may read
+        # their K/V from k, v instead).
         ops.store_kv(k, v, self.k_cache, self.v_cache, b.slot_mapping)
         o = ops.paged_attention(q, self.k_cache, self.v_cache, b.block_tables, b.cu_seqlens,
-                                b.context_lens, self.scale, b.max_q_len, b.max_context_len)
+                                b.context_lens, self.scale, b.max_q_len, b.max_context_len,
+                                k, v)
         return out_proj(self.o_proj, o.reshape(T, self.h * self.hd), post)

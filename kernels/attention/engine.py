@@ -17,12 +17,15 @@ __all__ = ["store_kv", "paged_attention"]
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, max_q_len: int,
-                    max_context_len: int) -> torch.Tensor:
+                    max_context_len: int, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of the new tokens over cache + themselves; o [T, Hq, D].
 
     q [T, Hq, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks]
     int32; cu_seqlens_q [N + 1] int32; context_lens [N] int32 (cached tokens including the new
     ones, already stored). max_q_len / max_context_len: host ints bounding q_len / context_len.
+    k_new / v_new [T, KVH, D]: the new tokens' K/V (what store_kv stored), which prefill may
+    read contiguously instead of through the block table (prefill.IMPL); decode ignores them.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -30,4 +33,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return paged_decode_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                       context_lens, scale, max_context_len)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                   context_lens, scale, max_q_len)
+                                   context_lens, scale, max_q_len, k_new, v_new)

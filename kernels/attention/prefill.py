@@ -9,6 +9,9 @@ with the scale folded in.
 
 Launch order: heads vary fastest, so the GROUP heads sharing one KV head run side by side and
 read the same K/V tiles through L2; m-blocks go last-first, the longest programs start first.
+
+paged_prefill_attention also runs the two-phase kernel of prefill_phased.py ("phased", and
+"desc": the new tokens' K/V from the contiguous k_new / v_new through TMA); IMPL picks the default.
 """
 
 from __future__ import annotations
@@ -17,7 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels.attention.prefill_phased import phased_prefill_attention
+
 LOG2E = 1.4426950408889634
+
+# The engine's default kernel: "paged" this file's kernel; "phased" prefill_phased.py's,
+# gathering every key from the cache; "desc" the same reading the new tokens' K/V from k_new /
+# v_new through TMA ("paged" where they are not given). H200 run 55 (bench_attention.py
+# --prefill-only --sweep, one sequence, TFLOP/s at T = 4K / 16K / 32K): desc 492 / 553 / 548,
+# 0.94 / 0.96 / 0.92x cuDNN SDPA; paged 328 / 385 / 373, phased 319 / 377 / 363.
+# CONFIGS: each one's launch config.
+IMPL = "desc"
+CONFIGS: dict[str, dict] = {
+    "paged": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    "phased": dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    "desc": dict(block_m=128, block_n=128, num_warps=8, num_stages=3, warp_specialize=False),
+}
 
 
 @triton.jit
@@ -103,14 +121,37 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, max_q_len: int,
-                            block_m: int = 128, block_n: int = 128, num_warps: int = 8,
-                            num_stages: int = 2) -> torch.Tensor:
+                            k_new: torch.Tensor | None = None,
+                            v_new: torch.Tensor | None = None, impl: str | None = None,
+                            **cfg) -> torch.Tensor:
     """Causal attention of packed new tokens over cache + themselves: o [T, H, D] in q.dtype.
 
     q [T, H, D] (N sequences split by cu_seqlens_q [N + 1]); k_cache/v_cache
     [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks]; context_lens [N], cached
     tokens per sequence including the new ones; max_q_len >= every sequence's q_len.
+    k_new / v_new [T, KVH, D]: the new tokens' K/V as store_kv got them (optional; read by
+    impl "desc"). impl: "paged" / "phased" / "desc" (None: IMPL); cfg overrides CONFIGS[impl].
     """
+    usable = (k_new is not None and v_new is not None and k_new.dtype == k_cache.dtype
+              and v_new.dtype == v_cache.dtype)
+    if impl is None:
+        impl = "paged" if IMPL == "desc" and not usable else IMPL
+    elif impl == "desc" and not usable:
+        raise ValueError("impl='desc' needs k_new / v_new of the cache's dtype")
+    cfg = {**CONFIGS[impl], **cfg}
+    if impl != "paged":
+        kn, vn = (k_new, v_new) if impl == "desc" else (None, None)
+        return phased_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                        context_lens, scale, max_q_len, kn, vn, **cfg)
+    return _paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                          max_q_len, **cfg)
+
+
+def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float, max_q_len: int,
+                   block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+                   num_stages: int = 2) -> torch.Tensor:
     T, H, D = q.shape
     N = block_tables.shape[0]
     BS, KVH = k_cache.shape[1], k_cache.shape[2]

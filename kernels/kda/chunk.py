@@ -174,15 +174,14 @@ def chunk_kda(
     scale = K ** -0.5 if scale is None else scale
     cu = seq_bounds(cu_seqlens, cu_seqlens_cpu, B, T)
     N = len(cu) - 1
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=q.device)
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state needs initial_state")
     if initial_state is not None and ssm_state_indices is None and initial_state.shape[0] != N:
         raise ValueError(f"initial_state has {initial_state.shape[0]} states for {N} sequences")
-    chunk_idx, chunk_offsets, NT = chunk_maps(cu, BT, q.device)
+    chunk_idx, chunk_offsets, NT, cu_t = chunk_maps(cu, BT, q.device, cu_seqlens is None)
+    cu_seqlens = cu_t if cu_seqlens is None else cu_seqlens
     TT = B * T
     q, s_qt, s_qh = token_strides(q)
     k, s_kt, s_kh = token_strides(k)

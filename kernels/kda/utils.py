@@ -45,14 +45,25 @@ def seq_bounds(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu, B: int, T: int) 
     return cu_seqlens.tolist()
 
 
-def chunk_maps(cu: list[int], BT: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per chunk (sequence, chunk in it) [NT, 2], per sequence its first chunk [N]; int32."""
+def chunk_maps(cu: list[int], BT: int, device, with_cu: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+    """Per chunk (sequence, chunk in it) [NT, 2], per sequence its first chunk [N], NT, and
+    (with_cu) cu itself as a device tensor [N + 1]; int32.
+
+    One host->device copy from pinned memory: a copy from pageable memory makes the host wait
+    for the stream to drain first, so the GPU would idle while the next launches are issued
+    (H200 run 55, T = 32K: ~0.6 ms between the launches of a 5.4 ms prefill)."""
     idx, offs = [], []
     for n in range(len(cu) - 1):
         offs.append(len(idx) // 2)
         for c in range(triton.cdiv(cu[n + 1] - cu[n], BT)):
             idx += [n, c]
     nt = len(idx) // 2
-    # one host->device copy for both maps
-    both = torch.tensor(idx + offs, dtype=torch.int32).to(device, non_blocking=True)
-    return both[:2 * nt].view(nt, 2), both[2 * nt:], nt
+    host = torch.tensor(idx + offs + (cu if with_cu else []), dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        # (the caching host allocator keeps the pinned block until the copy is done)
+        host = host.pin_memory()
+    both = host.to(device, non_blocking=True)
+    n = len(cu) - 1
+    cu_t = both[2 * nt + n:] if with_cu else None
+    return both[:2 * nt].view(nt, 2), both[2 * nt:2 * nt + n], nt, cu_t
