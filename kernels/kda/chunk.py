@@ -64,9 +64,7 @@ CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd
           # that dtype and phase 3's w / u dots run in it (fla's precision there); split_stages:
           # phase 3's num_stages (run 54, T = 32K: phase 3 1.08 ms -> 0.96 with both; either
           # alone is slower: 1.13 / 1.15)
-          "split_M16": True, "split_stages": 3,
-          # num_stages of phase 0 and of the block-row kernel (their channel loops' loads)
-          "split_stages_0": 1, "split_stages_a": 1}
+          "split_M16": True, "split_stages": 3}
 INTRA_MODES = ("fused", "sub", "split")
 
 
@@ -239,7 +237,7 @@ def chunk_kda(
         args = (q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gl, Gs, Ms, Mh, rn,
                 cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh, s_vt, s_vh)
         _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=1, num_warps=CONFIG["split_warps_0"],
-                                             num_stages=CONFIG["split_stages_0"], **sub)
+                                             num_stages=1, **sub)
         a_args = (q, k, beta, Aqk, Gs, Ms, rn, cu_seqlens, chunk_idx, scale, TT, NT, s_qt, s_qh)
         elem = CONFIG["split_diag"] == "elem"
         if CONFIG["split_diag"] not in ("levels", "elem"):
@@ -253,7 +251,7 @@ def chunk_kda(
         _kda_intra_a_kernel[(NT * (BT // 16), H)](
             *a_args, H=H, K=K, BT=BT, BK=min(CONFIG["split_BK_a"], K),
             BETA_SIGMOID=use_beta_sigmoid_in_kernel, DIAG=not elem,
-            num_warps=CONFIG["split_warps_a"], num_stages=CONFIG["split_stages_a"])
+            num_warps=CONFIG["split_warps_a"], num_stages=1)
         nreg = CONFIG["split_maxnreg"]
         if CONFIG["split_inv_apart"]:
             _chunk_kda_intra_sub_kernel[(NT, H)](*args, PHASES=8,

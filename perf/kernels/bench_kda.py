@@ -237,9 +237,9 @@ VARIANTS = {
     "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
             {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
-    "split": [{}, {"split_stages_0": 2}, {"split_warps_0": 8}, {"split_stages_a": 2},
-              {"split_stages_a": 3}, {"fwd_stages": 3}, {"fwd_BV": 32}, {"fwd_warps": 8},
-              {"split_warps_inv": 4}],
+    "split": [{}, {"split_M16": False, "split_stages": 1}, {"split_stages": 4},
+              {"split_maxnreg": 128}, {"split_diag": "levels"}, {"split_warps_d": 2},
+              {"split_inv_apart": False}],
 }
 
 
