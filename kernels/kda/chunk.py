@@ -32,8 +32,9 @@ from volundr.kernels.kda.chunk_intra_sub import _chunk_kda_intra_sub_kernel
 from volundr.kernels.kda.utils import chunk_maps, seq_bounds, token_strides
 
 # Launch settings, from perf/kernels/bench_kda.py --sweep on the H200 (T = 32K, H = 40).
-# fwd_BV None: 64, or 32 / 16 when that leaves too few programs. (fwd_stages=1 faulted there.)
-CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd_stages": 2,
+# fwd_BV None: 64, or 32 / 16 when that leaves too few programs. (fwd_stages=1 faulted there;
+# 3 instead of 2: the recurrence at T = 32K 1.15 -> 0.79 ms, H200 run 57.)
+CONFIG = {"intra_BK": 32, "intra_warps": 4, "fwd_BV": None, "fwd_warps": 4, "fwd_stages": 3,
           "intra": os.environ.get("VOLUNDR_KDA_INTRA", "split"),
           # sub path: channel blocks of the A phase / of the w, qg, kg phase, value block of u,
           # warps (the sm_90 compile's register-spill-free choice; unmeasured)

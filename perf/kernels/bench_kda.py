@@ -237,9 +237,8 @@ VARIANTS = {
     "sub": [{}, {"sub_maxnreg": 168}, {"sub_maxnreg": 128}, {"sub_split": True},
             {"sub_split": True, "sub_maxnreg": 168, "sub_maxnreg_wu": 128}, {"sub_BK1": 16},
             {"sub_BK": 32, "sub_BV": 64}, {"sub_warps": 8}],
-    "split": [{}, {"split_M16": False, "split_stages": 1}, {"split_stages": 4},
-              {"split_maxnreg": 128}, {"split_diag": "levels"}, {"split_warps_d": 2},
-              {"split_inv_apart": False}],
+    "split": [{}, {"split_M16": False, "split_stages": 1}, {"fwd_stages": 2},
+              {"fwd_stages": 4}, {"split_diag": "levels"}, {"split_inv_apart": False}],
 }
 
 
