@@ -104,9 +104,9 @@ def plot_gemm16(out: Path) -> None:
 
 
 def plot_kda_prefill(out: Path) -> None:
-    """Prefill time per token of each stage-1 implementation and of fla's chunk_kda (run 49)."""
+    """Prefill time per token of each stage-1 implementation and of fla's chunk_kda (run 58)."""
     rows = [json.loads(line) for line in
-            (HERE / "results" / "kda_intra_run49.jsonl").read_text().splitlines()]
+            (HERE / "results" / "kda_intra_run58.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("kind") == "intra_compare"]
     Ts = [r["T"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -116,13 +116,41 @@ def plot_kda_prefill(out: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens T (one sequence, H = 40, K = V = 128)")
     ax.set_ylabel("us per token (lower is better)")
-    ax.set_title("KDA prefill (chunk_kda) on the H200, run 49")
-    ax.legend(fontsize=8)
+    ax.set_title("KDA prefill (chunk_kda) on the H200, run 58")
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def plot_prefill_attention(out: Path) -> None:
+    """Prefill attention TFLOP/s: our kernels (paged gather, two-phase, two-phase with TMA
+    descriptors for the new tokens) against SDPA's best backend (cuDNN), run 55."""
+    d = json.loads((HERE / "results" / "attention_prefill_run55.json").read_text())
+    rows = d["prefill"]
+    Ts = sorted({r["T"] for r in rows})
+    cfgs = {"paged (old default)": "m128_n128_w8_s2",
+            "two-phase, gathered": "phased_m128_n128_w8_s3",
+            "two-phase, TMA (default)": "desc_m128_n128_w8_s3"}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = range(len(Ts))
+    width = 0.2
+    for i, (label, cfg) in enumerate(cfgs.items()):
+        ys = [next(r["tflops"] for r in rows if r["T"] == T and r["cfg"] == cfg) for T in Ts]
+        ax.bar([x + (i - 1.5) * width for x in xs], ys, width, label=label)
+    sdpa = [next(r["sdpa_tflops"] for r in rows if r["T"] == T) for T in Ts]
+    ax.bar([x + 1.5 * width for x in xs], sdpa, width, label="SDPA best (cuDNN)", color="0.5")
+    ax.set_xticks(list(xs), [f"{T // 1024}K" for T in Ts])
+    ax.set_xlabel("new tokens T (one sequence, 40 q heads, 2 KV heads, d 128, causal)")
+    ax.set_ylabel("TFLOP/s (higher is better)")
+    ax.set_title("Prefill attention on the H200, run 55")
+    ax.set_ylim(0, 760)
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":
+    plot_prefill_attention(HERE / "prefill_attention_h200.png")
     plot_kda_prefill(HERE / "kda_prefill_h200.png")
     plot_decode(HERE / "decode_h200.png")
     plot_gemv(HERE / "gemv_tc_h200.png")

@@ -11,7 +11,7 @@ Two stages (plus a tiny host-built chunk map for varlen batches):
 Stage 1 has three implementations with the same outputs: "split" (chunk_intra_split.py: the
 sub kernel's phase 0, the diagonal 16 x 16 blocks element-wise, one one-warp program per 16-row
 block-row for the rest, the sub kernel's phase 3 with a block inverse; the default since H200
-run 37 of 2026-12-04: prefill at T = 32K 6.71 ms vs 8.78 for "sub"), "sub"
+run 37 of 2026-12-04; run 58: prefill at T = 32K 5.03 ms vs 8.10 for "sub", fla 5.18), "sub"
 (`_chunk_kda_intra_sub_kernel`, chunk_intra_sub.py: one program per chunk, 16-row sub-chunk
 tiles and fp32 scratch; 8.66 vs 11.21 ms for "fused" in run 6) and "fused"
 (`_chunk_kda_intra_kernel`, full 64 x 64 tiles). VOLUNDR_KDA_INTRA picks one at import;

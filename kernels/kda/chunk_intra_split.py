@@ -19,9 +19,10 @@ H = 40: ~93 us per program, 7.2 ms). Here four launches:
    blocks by levels of small dots and X_i, and the diagonal kernel is not launched.
    Together they write Aqk and, to scratch Ms, X_i on the diagonal blocks and Akk left of them;
 3. M = (I + Akk)^-1 from Ms in four [BT, BT] dots (`block_inverse`; the sub kernel with
-   PHASES=8, written back to Ms), then the sub kernel's phase 3 (PHASES=4): w = M (beta k 2^G),
-   u = M (beta v), qg, kg, gl. (split_inv_apart=False: the inverse inside phase 3, BLOCK_INV;
-   222 registers instead of 128 there, 4% slower at T = 128K.)
+   PHASES=8, written back to Ms: for 16-bit inputs as 16-bit values in Ms's memory, split_M16),
+   then the sub kernel's phase 3 (PHASES=4, num_stages 3): w = M (beta k 2^G), u = M (beta v)
+   (16-bit dots with split_M16, as fla's), qg, kg, gl. (split_inv_apart=False: the inverse
+   inside phase 3, BLOCK_INV; 222 registers instead of 128 there, 4% slower at T = 128K.)
 
 As everywhere in stage 1, G is non-increasing (log decays <= 0): no exponent formed is positive.
 """
