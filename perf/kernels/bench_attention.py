@@ -1,6 +1,6 @@
 """Benchmark paged attention (decode and prefill) and the norm kernels on one CUDA GPU.
 
-  python3 perf/kernels/bench_attention.py --out $OUT [--sweep] [--prefill-only]
+  python3 perf/kernels/bench_attention.py --out $OUT [--sweep] [--prefill-only] [--prefix P]
 
 Decode: K+V bytes read per call over time, against the device-to-device copy bandwidth (bytes
 read + written) measured in the same run. Each timed CUDA graph runs R calls over R disjoint
@@ -10,7 +10,9 @@ torch.nn.functional.scaled_dot_product_attention (best of its backends; K/V expa
 and enable_gqa); each config's output checked against SDPA's, a config that fails (error,
 compile, resources) is reported and skipped. Prefill configs: "paged" the block-table kernel,
 "phased" / "desc" the two-phase kernel (prefill_phased.py) gathering the new tokens' K/V or
-reading them contiguously through TMA. Writes attention_bench.json and attention_bench.png.
+reading them contiguously through TMA. --prefix P: also 512 / 2048 new tokens after P cached
+ones (a resumed session: the prefix part is a block-table gather in every config) against SDPA
+with a bottom-right causal mask. Writes attention_bench.json and attention_bench.png.
 """
 
 from __future__ import annotations
@@ -26,18 +28,22 @@ import sys
 import warnings
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from attention_prefill import (  # perf/kernels/attention_prefill.py, beside this script
+    BS,
+    DT,
+    KVH,
+    PREFILL_CFGS,
+    SCALE,
+    D,
+    H,
+    bench_prefill,
+    bench_prefill_prefix,
+)
 
 from volundr.kernels.attention.decode import paged_decode_attention
 from volundr.kernels.attention.naive import naive_paged_attention
-from volundr.kernels.attention.prefill import paged_prefill_attention
 from volundr.kernels.norm.engine import rms_norm, swiglu
-
-H, KVH, D, BS = 40, 2, 128, 16
-DT = torch.bfloat16
-SCALE = D ** -0.5
 
 
 def graph_ms(fn, reps: int = 30) -> float:
@@ -92,24 +98,6 @@ DECODE_CFGS = {
     "n64_w4_s3_o2": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2),
 }
 
-def _pcfg(impl: str, m: int, n: int, w: int, s: int, **kw) -> dict:
-    return dict(impl=impl, block_m=m, block_n=n, num_warps=w, num_stages=s, **kw)
-
-
-# desc at BLOCK_N 128 holds 3 K/V stages at most in the H200's 227 KiB of shared memory (+ Q);
-# warp_specialize compiles but Triton 3.6 leaves this kernel unspecialised on sm_90 (TTGIR)
-PREFILL_CFGS = {
-    "m128_n64_w8_s3": _pcfg("paged", 128, 64, 8, 3),
-    "m128_n128_w8_s2": _pcfg("paged", 128, 128, 8, 2),
-    "m128_n64_w8_s5": _pcfg("paged", 128, 64, 8, 5),
-    "m64_n64_w4_s3": _pcfg("paged", 64, 64, 4, 3),
-    "phased_m128_n128_w8_s3": _pcfg("phased", 128, 128, 8, 3),
-    "desc_m128_n128_w8_s2": _pcfg("desc", 128, 128, 8, 2),
-    "desc_m128_n128_w8_s3": _pcfg("desc", 128, 128, 8, 3),
-    "desc_m128_n64_w8_s3": _pcfg("desc", 128, 64, 8, 3),
-    "desc_m128_n64_w8_s5": _pcfg("desc", 128, 64, 8, 5),
-    "desc_ws_m128_n128_w8_s2": _pcfg("desc", 128, 128, 8, 2, warp_specialize=True),
-}
 # = the engine's defaults (prefill: volundr.kernels.attention.prefill.IMPL / CONFIGS)
 DEFAULT_DECODE, DEFAULT_PREFILL = "n64_w4_s5_o2", "desc_m128_n128_w8_s3"
 
@@ -139,74 +127,6 @@ def bench_decode(cfgs, contexts, batches):
                 print(f"decode B={B:3d} L={L:7d} {name:15s} {ms * 1e3:9.1f} us "
                       f"{rows[-1]['bytes_per_s'] / 1e12:6.2f} TB/s", flush=True)
             torch.cuda.empty_cache()
-    return rows
-
-
-def sdpa_ms(q, k, v, backend, gqa: bool) -> float | None:
-    """Median ms of causal SDPA forced to `backend` (None: PyTorch's own choice)."""
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    try:
-        if backend is None:
-            fn()
-            return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-        with sdpa_kernel([backend]):
-            fn()
-            return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    except RuntimeError:
-        return None
-
-
-def bench_prefill(cfgs, lengths):
-    rows = []
-    for T in lengths:
-        flops = 2.0 * T * T * H * D
-        q = torch.randn(T, H, D, device="cuda", dtype=DT)
-        kc = torch.randn(T // BS, BS, KVH, D, device="cuda", dtype=DT)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(T // BS, device="cuda").int().view(1, -1)
-        cu = torch.tensor([0, T], device="cuda", dtype=torch.int32)
-        ctx = torch.tensor([T], device="cuda", dtype=torch.int32)
-        # the new tokens' K/V in token order as column slices of one buffer: strided rows, like
-        # the engine's split of the fused QKV projection
-        kv = torch.stack([c[bt[0].long()].reshape(T, KVH * D) for c in (kc, vc)], 1)
-        k_new, v_new = (x.view(T, KVH, D) for x in kv.view(T, 2 * KVH * D).split(KVH * D, 1))
-        # SDPA layout [1, heads, T, D]; K/V in token order
-        qs = q.transpose(0, 1).unsqueeze(0).contiguous()
-        ks = kc[bt[0].long()].reshape(T, KVH, D).transpose(0, 1).unsqueeze(0).contiguous()
-        vs = vc[bt[0].long()].reshape(T, KVH, D).transpose(0, 1).unsqueeze(0).contiguous()
-        kx, vx = ks.repeat_interleave(H // KVH, 1), vs.repeat_interleave(H // KVH, 1)
-        base = {}
-        for be in (None, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                   SDPBackend.EFFICIENT_ATTENTION):
-            for gqa in (False, True):
-                ms = sdpa_ms(qs, ks if gqa else kx, vs if gqa else vx, be, gqa)
-                if ms is not None:
-                    base[f"{be.name if be else 'DEFAULT'}{'_gqa' if gqa else ''}"] = ms
-        best = min(base, key=base.get)
-        ref = F.scaled_dot_product_attention(qs, kx, vx, is_causal=True)[0].transpose(0, 1)
-        for name, kw in cfgs.items():
-            fn = functools.partial(paged_prefill_attention, q, kc, vc, bt, cu, ctx, SCALE, T,
-                                   k_new, v_new, **kw)
-            try:  # one config that does not compile, fit or match must not end the run
-                err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
-                assert err < 1.5e-2, f"rel err {err}"
-                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            except Exception as e:  # noqa: BLE001
-                rows.append(dict(T=T, cfg=name, failed=f"{type(e).__name__}: {e}"[:2000]))
-                print(f"prefill T={T:6d} {name:24s} FAILED {rows[-1]['failed'][:300]}",
-                      flush=True)
-                torch.cuda.synchronize()
-                continue
-            rows.append(dict(T=T, cfg=name, ms=ms, tflops=flops / ms / 1e9,
-                             sdpa_best=best, sdpa_ms=base[best],
-                             sdpa_tflops=flops / base[best] / 1e9,
-                             ratio=base[best] / ms, ratio_default=base["DEFAULT"] / ms,
-                             sdpa_all_ms=base, rel_err=err))
-            print(f"prefill T={T:6d} {name:24s} {ms:8.2f} ms {rows[-1]['tflops']:6.1f} TFLOP/s"
-                  f" | SDPA {best} {base[best]:.2f} ms {rows[-1]['sdpa_tflops']:.1f}"
-                  f" -> ratio {rows[-1]['ratio']:.2f} (vs default SDPA "
-                  f"{rows[-1]['ratio_default']:.2f})", flush=True)
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -282,6 +202,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/out"))
     ap.add_argument("--sweep", action="store_true", help="time every config, not only defaults")
     ap.add_argument("--prefill-only", action="store_true", help="prefill only (no norms, decode)")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="also time prefill of 512 / 2048 new tokens after this many cached "
+                         "ones (a resumed session), e.g. 30720")
     a = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # SDPA's "kernel not used" notes
     os.makedirs(a.out, exist_ok=True)
@@ -302,6 +225,8 @@ def main():
         res["norm"] = bench_norm(bw)
         res["decode"] = bench_decode(dcfg, [4096, 32768, 131072, 262144], [1, 16])
     res["prefill"] = bench_prefill(pcfg, [4096, 16384, 32768])
+    if a.prefix:
+        res["prefill_prefix"] = bench_prefill_prefix(pcfg, a.prefix, [512, 2048])
     with open(os.path.join(a.out, "attention_bench.json"), "w") as f:
         json.dump(res, f, indent=1)
     plot(res, os.path.join(a.out, "attention_bench.png"))
@@ -315,7 +240,7 @@ def main():
             rs = [r for r in res["decode"] if (r["batch"], r["context"]) == key]
             b = max(rs, key=lambda r: r["bytes_per_s"])
             print(f"  decode B={key[0]} L={key[1]}: {b['cfg']} {b['bytes_per_s'] / bw:.2f}")
-    failed = [r for r in res["prefill"] if "failed" in r]
+    failed = [r for r in res["prefill"] + res.get("prefill_prefix", []) if "failed" in r]
     for r in res["prefill"]:
         if "failed" in r:
             continue
