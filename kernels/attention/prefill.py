@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from volundr.kernels.attention.prefill_phased import phased_prefill_attention
+from volundr.kernels.attention.prefill_phased import launch_geometry, phased_prefill_attention
 
 LOG2E = 1.4426950408889634
 
@@ -152,18 +152,14 @@ def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    context_lens: torch.Tensor, scale: float, max_q_len: int,
                    block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                    num_stages: int = 2) -> torch.Tensor:
-    T, H, D = q.shape
-    N = block_tables.shape[0]
-    BS, KVH = k_cache.shape[1], k_cache.shape[2]
-    o = torch.empty_like(q)
-    if T == 0 or max_q_len == 0:
+    o, grid, BS, group = launch_geometry(q, k_cache, block_tables, max_q_len, block_m)
+    if grid is None:
         return o
-    grid = (H, triton.cdiv(max_q_len, block_m), N)
     _prefill_kernel[grid](
         q, k_cache, v_cache, o, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=H // KVH, D=D, BS=BS, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, D=q.shape[2], BS=BS, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages)
     return o

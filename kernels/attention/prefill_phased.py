@@ -159,6 +159,18 @@ def _rows_desc(x: torch.Tensor, block_n: int) -> TensorDescriptor:
     return TensorDescriptor(x, [T, KVH * D], [x.stride(0), 1], [block_n, D])
 
 
+def launch_geometry(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                    max_q_len: int, block_m: int):
+    """Shared by both prefill launchers: o (empty, like q), the grid (heads, m-blocks,
+    sequences; None when there is nothing to compute), the cache's block size and the GQA
+    group."""
+    T, H, _ = q.shape
+    o = torch.empty_like(q)
+    grid = (None if T == 0 or max_q_len == 0
+            else (H, triton.cdiv(max_q_len, block_m), block_tables.shape[0]))
+    return o, grid, k_cache.shape[1], H // k_cache.shape[2]
+
+
 def phased_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              context_lens: torch.Tensor, scale: float, max_q_len: int,
@@ -167,21 +179,17 @@ def phased_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              num_stages: int = 3, warp_specialize: bool = False) -> torch.Tensor:
     """paged_prefill_attention's contract; with k_new / v_new [T, KVH, D] (the new tokens' K/V,
     packed like q, as stored in the cache) phase 2 reads them through TMA descriptors."""
-    T, H, D = q.shape
-    N = block_tables.shape[0]
-    BS, KVH = k_cache.shape[1], k_cache.shape[2]
-    o = torch.empty_like(q)
-    if T == 0 or max_q_len == 0:
+    o, grid, BS, group = launch_geometry(q, k_cache, block_tables, max_q_len, block_m)
+    if grid is None:
         return o
     desc = k_new is not None and v_new is not None
     kn = _rows_desc(k_new, block_n) if desc else None
     vn = _rows_desc(v_new, block_n) if desc else None
-    grid = (H, triton.cdiv(max_q_len, block_m), N)
     _prefill_phased_kernel[grid](
         q, k_cache, v_cache, kn, vn, o, block_tables, cu_seqlens_q, context_lens,
         scale * LOG2E, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=H // KVH, D=D, BS=BS, BLOCK_M=block_m, BLOCK_N=block_n, DESC=desc,
+        GROUP=group, D=q.shape[2], BS=BS, BLOCK_M=block_m, BLOCK_N=block_n, DESC=desc,
         WS=warp_specialize, num_warps=num_warps, num_stages=num_stages)
     return o
