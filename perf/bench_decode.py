@@ -408,7 +408,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
-                kengine.LOW_RANK_FOLD)
+                kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -430,6 +430,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             reps = int(sfx[1:])
             qengine.GEMV_TC_CONFIG = {b: {**c, "reps": reps, "waves": c["waves"] * c["reps"] / reps}
                                       for b, c in qengine.GEMV_TC_CONFIG.items()}
+        elif sfx[:1] == "w" and "@" in sfx:  # e.g. w8@15680x5120: waves 8 for that N x K
+            waves, _, shape = sfx[1:].partition("@")
+            n, k = (int(v) for v in shape.split("x"))
+            qengine.GEMV_TC_SHAPE = {**qengine.GEMV_TC_SHAPE, (n, k): {"waves": float(waves)}}
         elif sfx[:1] == "w" and sfx[1:].isdigit():  # the batch-1 GEMV at waves N
             qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, waves=float(sfx[1:]))
         elif sfx[:5] == "tcmin" and sfx[5:].isdigit():  # smaller linears on the tc paths
@@ -447,7 +451,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, lrfold, nolrfold, early, noearly, "
-                             "e<bits:blocks/...>, rN, wN, uncap, tcminN, sN, tpN, symm)")
+                             "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp)
     finally:
@@ -458,7 +462,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
-         kengine.LOW_RANK_FOLD) = defaults
+         kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list[dict]:

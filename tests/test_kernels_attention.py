@@ -235,17 +235,20 @@ def test_cuda_prefill_via_engine_with_new_kv():
 @gpu
 @pytest.mark.parametrize("ctx_lens", [[1], [17, 4096, 33000, 250], [70000], [5] * 16])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_cuda_decode(ctx_lens, num_splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cuda_decode(ctx_lens, num_splits, prefetch):
+    """prefetch: K/V into L2 before the PDL wait (decode.PREFETCH)."""
     check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
-                    _seed(), decode=True, num_splits=num_splits)
+                    _seed(), decode=True, num_splits=num_splits, prefetch=prefetch)
 
 
 @gpu
 @pytest.mark.parametrize("ctx_lens", [[40, 3000, 70000], [300] * 8])
-def test_cuda_decode_graph_sized(ctx_lens):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cuda_decode_graph_sized(ctx_lens, prefetch):
     """Splits sized for max_model_len (as a captured CUDA graph is) on shorter contexts."""
     check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
-                    _seed(), decode=True, max_context_len=262144)
+                    _seed(), decode=True, max_context_len=262144, prefetch=prefetch)
 
 
 @gpu

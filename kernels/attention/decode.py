@@ -16,6 +16,7 @@ still spreads over all programs.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -26,12 +27,46 @@ from volundr.kernels import pdl
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256  # the merge holds all of a head's splits in one [S_PAD, BLOCK_D] tile
 MIN_SPLIT = 256  # tokens
+# L2 prefetch of each split's K/V before the PDL wait (paged_decode_attention's `prefetch`)
+PREFETCH = os.environ.get("VOLUNDR_ATTN_PREFETCH", "0") == "1"
 
 
 @triton.jit
 def _split_len(ctx, num_splits, gran, min_split):
     """Tokens per split of one sequence: ctx / num_splits rounded up to gran, >= min_split."""
     return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), gran) * gran, min_split)
+
+
+@triton.jit
+def _prefetch_kv(k_ptr, v_ptr, bt_row, start, end, kvh, max_blocks, num_blocks,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 BS: tl.constexpr, PF_N: tl.constexpr, PF_ASM: tl.constexpr):
+    """L2 prefetch of the K and V rows (head kvh) of tokens start .. end - 1, PF_N tokens per
+    pass (one per lane). Indices are clamped into the table and the cache, so a stale value
+    read before the PDL wait can only prefetch the wrong line, never outside the tensors."""
+    offs = tl.arange(0, PF_N)
+    for s in range(start, end, PF_N):
+        tok = s + offs
+        ok = tok < end
+        slot = tl.minimum(tok // BS, max_blocks - 1)
+        page = tl.load(bt_row + slot, mask=ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
+        row = tok % BS
+        ka = (k_ptr + page * stride_kb + row * stride_ks + kvh * stride_kh).to(tl.int64,
+                                                                                bitcast=True)
+        va = (v_ptr + page * stride_vb + row * stride_vs + kvh * stride_vh).to(tl.int64,
+                                                                                bitcast=True)
+        tl.inline_asm_elementwise(PF_ASM, "=r,l,l,r", [ka, va, ok.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_kv_asm(row_bytes: int) -> str:
+    """PTX for _prefetch_kv: where $3 != 0, L2 prefetches of the row_bytes at $1 (K) and $2
+    (V), one per 128-byte line (a bulk prefetch needs a uniform address: ptxas would loop over
+    the lanes)."""
+    lines = [f"@p prefetch.global.L2 [${r}+{o}];" for r in (1, 2) for o in range(0, row_bytes, 128)]
+    return "\n".join(["{", ".reg .pred p;", "setp.ne.b32 p, $3, 0;", *lines, "mov.u32 $0, 0;",
+                      "}"])
 
 
 @triton.jit
@@ -42,20 +77,32 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    max_blocks=1, num_blocks=1, PREFETCH: tl.constexpr = False, PF_N: tl.constexpr = 128,
+    PF_ASM: tl.constexpr = "",
 ):
     pdl.trigger()  # a PDL-launched successor may start
-    pdl.wait()  # PDL: inputs come from the kernel before
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
+    # cu, ctx and the block tables are written by host copies only, never by a kernel of the
+    # chain, so they may be read before the PDL wait (q and the new token's K/V may not)
     q_idx = tl.load(cu_ptr + n)
     q_len = tl.load(cu_ptr + n + 1) - q_idx
     ctx = tl.load(ctx_ptr + n)
     split_len = _split_len(ctx, num_splits, BLOCK_N, min_split)
     start = sp * split_len
+    end = tl.minimum(start + split_len, ctx)
+    bt_row = bt_ptr + n.to(tl.int64) * stride_bt
+    if PREFETCH:
+        # L2 prefetch of this split's K/V rows while the kernel before still runs: a prefetch
+        # only warms L2 (coherent; the new token's row, stored by the kernel before, is read
+        # after the wait as usual), so it cannot change a result
+        _prefetch_kv(k_ptr, v_ptr, bt_row, start, tl.where(q_len == 0, start, end), kvh,
+                     max_blocks, num_blocks, stride_kb, stride_ks, stride_kh, stride_vb,
+                     stride_vs, stride_vh, BS, PF_N, PF_ASM)
+    pdl.wait()  # PDL: q and the new token's K/V come from the kernels before
     if (q_len == 0) | (start >= ctx):  # nothing to do; the merge masks this split out
         return
-    end = tl.minimum(start + split_len, ctx)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
@@ -67,7 +114,6 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    bt_row = bt_ptr + n.to(tl.int64) * stride_bt
     for s in range(start, end, BLOCK_N):
         offs_n = s + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
@@ -149,8 +195,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, max_context_len: int,
                            num_splits: int | None = None, block_n: int = 64,
                            num_warps: int = 4, num_stages: int = 5,
-                           programs_per_sm: int = 2, min_split: int = MIN_SPLIT
-                           ) -> torch.Tensor:
+                           programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
+                           prefetch: bool | None = None) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
     q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
@@ -158,6 +204,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     The K/V address depends on a block-table load, so Triton's pipeliner spends stages on that
     indirection: num_stages=3 leaves one K/V buffer (no overlap), 5 gives two (78 KiB of shared
     memory, two programs per SM). Defaults: the best of a sweep on an H200 (perf/RESULTS.md).
+    prefetch (default PREFETCH; only with PDL on a GPU): each split program prefetches its K/V
+    rows into L2 before its PDL wait, overlapping the chain cu -> ctx -> block table -> K/V
+    and the first HBM trip with the kernels before.
     """
     T, H, D = q.shape
     N = block_tables.shape[0]
@@ -176,6 +225,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse = torch.empty((N, H, num_splits), dtype=torch.float32, device=q.device)
     else:
         opart = lse = o  # unused
+    if prefetch is None:
+        prefetch = PREFETCH
+    row_bytes = D * k_cache.element_size()
+    prefetch = (prefetch and pdl.ON.value and row_bytes % 128 == 0
+                and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+    pf = dict(max_blocks=block_tables.shape[1], num_blocks=k_cache.shape[0], PREFETCH=True,
+              PF_N=32 * num_warps, PF_ASM=prefetch_kv_asm(row_bytes)) if prefetch else {}
     _decode_split_kernel[(N, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, opart, lse, o,
         scale * LOG2E, num_splits, min_split,
@@ -184,7 +240,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         H=H, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
         BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl.ON.value)
+        launch_pdl=pdl.ON.value, **pf)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D
         _decode_merge_kernel[(N, H, D // block_d)](

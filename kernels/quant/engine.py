@@ -45,6 +45,17 @@ if GEMV_PATH not in ("fma", "tc"):
 GEMV_TC_CONFIG = {2: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
                   3: dict(reps=2, num_warps=1, waves=24.0),
                   4: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128)}
+# Per-shape overrides of GEMV_TC_CONFIG, {(N, K): {key: value}} (perf/bench_decode.py's
+# +wW@NxK suffix): the pure-streaming sweep of run 16 streamed in_proj and the 2-bit down
+# projection fastest at 8 programs per SM and gate_up at 48.
+GEMV_TC_SHAPE: dict[tuple[int, int], dict] = {}
+
+
+def tc_config(bits: int, n: int, k: int) -> dict:
+    """gemv_tc's keyword config for an N x K weight of this bit width."""
+    return {**GEMV_TC_CONFIG[bits], **GEMV_TC_SHAPE.get((n, k), {})}
+
+
 # Engram's k / v projections (5120 x 2048) included since run 22/23: 6.85 -> 4.79 us per call
 # at M = 1 (census), 10.7 -> 9.9 at M = 16; below it (KDA's f_b / g_b, K = rank) the FMA path.
 TC_MIN_DIM = 2048
@@ -105,7 +116,7 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
-                               **GEMV_TC_CONFIG[bits])
+                               **tc_config(bits, n, k))
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
             and gemm_tc.supported(x, bits, group_size, n)):
         return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
@@ -137,7 +148,7 @@ def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         return None
     h = torch.empty_like(x)
     y = gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, norm=(residual, norm_weight, eps, h),
-                        **GEMV_TC_CONFIG[bits])
+                        **tc_config(bits, qa.shape[1], x.shape[1]))
     return y, h
 
 
@@ -161,7 +172,7 @@ def quant_matmul_group_scaled(x: torch.Tensor, gs: torch.Tensor, eps: float, qa:
                               group_size) and x.is_contiguous() and gs.is_contiguous()):
         return None
     return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, gscale=(gs, eps),
-                           **GEMV_TC_CONFIG[bits])
+                           **tc_config(bits, qa.shape[1], x.shape[1]))
 
 
 def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -182,7 +193,7 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
             and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
             and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
         return None
-    cfg = GEMV_TC_CONFIG[bits]
+    cfg = tc_config(bits, n, k)
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
     ss = torch.empty(1, gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]), dtype=torch.float32,
                      device=x.device)
@@ -201,7 +212,7 @@ def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: tor
             and xw.is_contiguous() and ss.is_contiguous() and ss.dim() == 1):
         return None
     return gemv_tc.gemv_tc(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
-                           **GEMV_TC_CONFIG[bits])
+                           **tc_config(bits, qa.shape[1], xw.shape[1]))
 
 
 def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,

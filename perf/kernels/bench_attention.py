@@ -96,17 +96,33 @@ DECODE_CFGS = {
     "n32_w4_s8_o3": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3),
     "n128_w8_s5_o1": dict(block_n=128, num_warps=8, num_stages=5, programs_per_sm=1),
     "n64_w4_s3_o2": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2),
+    # +pf: each split prefetches its K/V rows into L2 before its PDL wait (decode.PREFETCH)
+    "n64_w4_s5_o2+pf": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2,
+                            prefetch=True),
+    "n64_w4_s3_o2+pf": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2,
+                            prefetch=True),
+    "n32_w4_s8_o3+pf": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3,
+                            prefetch=True),
+    "n128_w8_s5_o1+pf": dict(block_n=128, num_warps=8, num_stages=5, programs_per_sm=1,
+                             prefetch=True),
 }
 
 # = the engine's defaults (prefill: volundr.kernels.attention.prefill.IMPL / CONFIGS)
 DEFAULT_DECODE, DEFAULT_PREFILL = "n64_w4_s5_o2", "desc_m128_n128_w8_s3"
 
 
-def _decode_calls(q, kc, vc, bts, cu, ctx, L, kw):
-    return [paged_decode_attention(q, kc, vc, bt, cu, ctx, SCALE, L, **kw) for bt in bts]
+def _decode_calls(q, kc, vc, bts, cu, ctx, L, kw, fence=None):
+    """R calls; fence: a tiny tensor zeroed between calls, a kernel launched without PDL, so
+    that no call overlaps the one before (the single-call latency)."""
+    out = []
+    for bt in bts:
+        if fence is not None:
+            fence.zero_()
+        out.append(paged_decode_attention(q, kc, vc, bt, cu, ctx, SCALE, L, **kw))
+    return out
 
 
-def bench_decode(cfgs, contexts, batches):
+def bench_decode(cfgs, contexts, batches, fenced=False):
     rows = []
     for B in batches:
         for L in contexts:
@@ -115,8 +131,12 @@ def bench_decode(cfgs, contexts, batches):
             q, kc, vc, bts, cu, ctx = decode_inputs(B, L, R)
             if B * L <= 16 * 4096:  # every config == naive on the bench inputs
                 ref = naive_paged_attention(q, kc, vc, bts[0], cu, ctx, SCALE).float()
-            for name, kw in cfgs.items():
-                run = functools.partial(_decode_calls, q, kc, vc, bts, cu, ctx, L, kw)
+            runs = [(name, kw, None) for name, kw in cfgs.items()]
+            if fenced:  # the same configs, each call fenced off from the one before
+                fence = torch.zeros(1, device="cuda")
+                runs += [(name + "|fenced", kw, fence) for name, kw in cfgs.items()]
+            for name, kw, fence in runs:
+                run = functools.partial(_decode_calls, q, kc, vc, bts, cu, ctx, L, kw, fence)
                 if B * L <= 16 * 4096:
                     out = run()[0].float()
                     err = ((out - ref).norm() / ref.norm()).item()
@@ -163,13 +183,11 @@ def plot(res, path):
 
 def plot_decode(res, a1) -> None:
     bw = res["copy_bytes_per_s"] / 1e12
-    for B in sorted({r["batch"] for r in res["decode"]}):
-        best = {}
-        for r in res["decode"]:
-            if r["batch"] == B and r["cfg"] == res["decode_default_cfg"]:
-                best[r["context"]] = r["bytes_per_s"] / 1e12
-        xs = sorted(best)
-        a1.plot(xs, [best[x] for x in xs], "o-", label=f"Triton paged decode, batch {B}")
+    for B, cfg in sorted({(r["batch"], r["cfg"]) for r in res["decode"]}):
+        tb = {r["context"]: r["bytes_per_s"] / 1e12 for r in res["decode"]
+              if (r["batch"], r["cfg"]) == (B, cfg)}
+        xs = sorted(tb)
+        a1.plot(xs, [tb[x] for x in xs], "o-", label=f"batch {B}, {cfg}")
     a1.axhline(bw, color="k", ls="--", label=f"D2D copy {bw:.2f} TB/s")
     a1.axhline(0.8 * bw, color="gray", ls=":", label="80% of copy")
     a1.set_xscale("log", base=2)
@@ -202,6 +220,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/out"))
     ap.add_argument("--sweep", action="store_true", help="time every config, not only defaults")
     ap.add_argument("--prefill-only", action="store_true", help="prefill only (no norms, decode)")
+    ap.add_argument("--decode-only", action="store_true", help="decode only (no norms, prefill)")
+    ap.add_argument("--decode-cfgs", default="", help="comma-separated DECODE_CFGS names")
+    ap.add_argument("--fenced", action="store_true",
+                    help="decode: also each config with a non-PDL kernel between calls")
     ap.add_argument("--prefix", type=int, default=0,
                     help="also time prefill of 512 / 2048 new tokens after this many cached "
                          "ones (a resumed session), e.g. 30720")
@@ -210,6 +232,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(0)
     dcfg = DECODE_CFGS if a.sweep else {DEFAULT_DECODE: DECODE_CFGS[DEFAULT_DECODE]}
+    if a.decode_cfgs:
+        dcfg = {n: DECODE_CFGS[n] for n in a.decode_cfgs.split(",")}
     pcfg = PREFILL_CFGS if a.sweep else {DEFAULT_PREFILL: PREFILL_CFGS[DEFAULT_PREFILL]}
     bw = 0.0 if a.prefill_only else copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.3f} TB/s (read + write)", flush=True)
@@ -222,9 +246,10 @@ def main():
     except OSError:
         pass
     if not a.prefill_only:
-        res["norm"] = bench_norm(bw)
-        res["decode"] = bench_decode(dcfg, [4096, 32768, 131072, 262144], [1, 16])
-    res["prefill"] = bench_prefill(pcfg, [4096, 16384, 32768])
+        if not a.decode_only:
+            res["norm"] = bench_norm(bw)
+        res["decode"] = bench_decode(dcfg, [4096, 32768, 131072, 262144], [1, 16], a.fenced)
+    res["prefill"] = [] if a.decode_only else bench_prefill(pcfg, [4096, 16384, 32768])
     if a.prefix:
         res["prefill_prefix"] = bench_prefill_prefix(pcfg, a.prefix, [512, 2048])
     with open(os.path.join(a.out, "attention_bench.json"), "w") as f:
