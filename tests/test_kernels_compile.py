@@ -143,8 +143,10 @@ def compile_all() -> list[str]:
         ctx = torch.tensor([60] * n, dtype=torch.int32)
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
-        if max(lens) == 1:  # with the L2 prefetch of K/V before the PDL wait (PTX assembles)
-            decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192, prefetch=True)
+        if max(lens) == 1:  # the split kernel's block-table entries a tile ahead / early
+            for variant in ("bt_ahead", "early_idx"):
+                decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192,
+                                              **{variant: True})
         # prefill's two-phase kernel (prefill_phased.py): the new tokens' K/V through TMA
         # descriptors (k, v column slices of a fused projection, as in the engine) or gathered;
         # the configs perf/kernels/bench_attention.py times (shared memory checked on the GPU)

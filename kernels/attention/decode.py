@@ -16,7 +16,6 @@ still spreads over all programs.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -27,46 +26,12 @@ from volundr.kernels import pdl
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256  # the merge holds all of a head's splits in one [S_PAD, BLOCK_D] tile
 MIN_SPLIT = 256  # tokens
-# L2 prefetch of each split's K/V before the PDL wait (paged_decode_attention's `prefetch`)
-PREFETCH = os.environ.get("VOLUNDR_ATTN_PREFETCH", "0") == "1"
 
 
 @triton.jit
 def _split_len(ctx, num_splits, gran, min_split):
     """Tokens per split of one sequence: ctx / num_splits rounded up to gran, >= min_split."""
     return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), gran) * gran, min_split)
-
-
-@triton.jit
-def _prefetch_kv(k_ptr, v_ptr, bt_row, start, end, kvh, max_blocks, num_blocks,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 BS: tl.constexpr, PF_N: tl.constexpr, PF_ASM: tl.constexpr):
-    """L2 prefetch of the K and V rows (head kvh) of tokens start .. end - 1, PF_N tokens per
-    pass (one per lane). Indices are clamped into the table and the cache, so a stale value
-    read before the PDL wait can only prefetch the wrong line, never outside the tensors."""
-    offs = tl.arange(0, PF_N)
-    for s in range(start, end, PF_N):
-        tok = s + offs
-        ok = tok < end
-        slot = tl.minimum(tok // BS, max_blocks - 1)
-        page = tl.load(bt_row + slot, mask=ok, other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
-        row = tok % BS
-        ka = (k_ptr + page * stride_kb + row * stride_ks + kvh * stride_kh).to(tl.int64,
-                                                                                bitcast=True)
-        va = (v_ptr + page * stride_vb + row * stride_vs + kvh * stride_vh).to(tl.int64,
-                                                                                bitcast=True)
-        tl.inline_asm_elementwise(PF_ASM, "=r,l,l,r", [ka, va, ok.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-def prefetch_kv_asm(row_bytes: int) -> str:
-    """PTX for _prefetch_kv: where $3 != 0, L2 prefetches of the row_bytes at $1 (K) and $2
-    (V), one per 128-byte line (a bulk prefetch needs a uniform address: ptxas would loop over
-    the lanes)."""
-    lines = [f"@p prefetch.global.L2 [${r}+{o}];" for r in (1, 2) for o in range(0, row_bytes, 128)]
-    return "\n".join(["{", ".reg .pred p;", "setp.ne.b32 p, $3, 0;", *lines, "mov.u32 $0, 0;",
-                      "}"])
 
 
 @triton.jit
@@ -77,15 +42,18 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    max_blocks=1, num_blocks=1, PREFETCH: tl.constexpr = False, PF_N: tl.constexpr = 128,
-    PF_ASM: tl.constexpr = "",
+    BT_AHEAD: tl.constexpr = False, EARLY_IDX: tl.constexpr = False,
 ):
+    """BT_AHEAD: each tile's block-table entries are loaded one iteration ahead (the K/V
+    addresses then wait on no load of their own iteration). EARLY_IDX (implies BT_AHEAD): cu,
+    ctx and the first tile's entries are loaded before the PDL wait: host copies write them,
+    never a kernel of the chain (q and the new token's K/V are read after it)."""
     pdl.trigger()  # a PDL-launched successor may start
+    if not EARLY_IDX:
+        pdl.wait()  # PDL: inputs come from the kernel before
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    # cu, ctx and the block tables are written by host copies only, never by a kernel of the
-    # chain, so they may be read before the PDL wait (q and the new token's K/V may not)
     q_idx = tl.load(cu_ptr + n)
     q_len = tl.load(cu_ptr + n + 1) - q_idx
     ctx = tl.load(ctx_ptr + n)
@@ -93,14 +61,12 @@ def _decode_split_kernel(
     start = sp * split_len
     end = tl.minimum(start + split_len, ctx)
     bt_row = bt_ptr + n.to(tl.int64) * stride_bt
-    if PREFETCH:
-        # L2 prefetch of this split's K/V rows while the kernel before still runs: a prefetch
-        # only warms L2 (coherent; the new token's row, stored by the kernel before, is read
-        # after the wait as usual), so it cannot change a result
-        _prefetch_kv(k_ptr, v_ptr, bt_row, start, tl.where(q_len == 0, start, end), kvh,
-                     max_blocks, num_blocks, stride_kb, stride_ks, stride_kh, stride_vb,
-                     stride_vs, stride_vh, BS, PF_N, PF_ASM)
-    pdl.wait()  # PDL: q and the new token's K/V come from the kernels before
+    offs_b = tl.arange(0, BLOCK_N)
+    page = tl.zeros([BLOCK_N], tl.int32)
+    if BT_AHEAD | EARLY_IDX:  # the first tile's entries
+        page = tl.load(bt_row + (start + offs_b) // BS, mask=start + offs_b < end, other=0)
+    if EARLY_IDX:
+        pdl.wait()
     if (q_len == 0) | (start >= ctx):  # nothing to do; the merge masks this split out
         return
 
@@ -115,13 +81,18 @@ def _decode_split_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     for s in range(start, end, BLOCK_N):
-        offs_n = s + tl.arange(0, BLOCK_N)
+        offs_n = s + offs_b
         nmask = offs_n < end
-        page = tl.load(bt_row + offs_n // BS, mask=nmask, other=0).to(tl.int64)
+        if BT_AHEAD | EARLY_IDX:  # this tile's entries came before; fetch the next tile's
+            cur = page.to(tl.int64)
+            nxt = offs_n + BLOCK_N
+            page = tl.load(bt_row + nxt // BS, mask=nxt < end, other=0)
+        else:
+            cur = tl.load(bt_row + offs_n // BS, mask=nmask, other=0).to(tl.int64)
         row = offs_n % BS
-        k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks
+        k = tl.load(k_ptr + cur[:, None] * stride_kb + row[:, None] * stride_ks
                     + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs
+        v = tl.load(v_ptr + cur[:, None] * stride_vb + row[:, None] * stride_vs
                     + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [G_PAD, BLOCK_N]
         qk = tl.where(nmask[None, :], qk, float("-inf"))
@@ -196,7 +167,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, block_n: int = 64,
                            num_warps: int = 4, num_stages: int = 5,
                            programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
-                           prefetch: bool | None = None) -> torch.Tensor:
+                           bt_ahead: bool = False, early_idx: bool = False) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
     q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
@@ -204,9 +175,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     The K/V address depends on a block-table load, so Triton's pipeliner spends stages on that
     indirection: num_stages=3 leaves one K/V buffer (no overlap), 5 gives two (78 KiB of shared
     memory, two programs per SM). Defaults: the best of a sweep on an H200 (perf/RESULTS.md).
-    prefetch (default PREFETCH; only with PDL on a GPU): each split program prefetches its K/V
-    rows into L2 before its PDL wait, overlapping the chain cu -> ctx -> block table -> K/V
-    and the first HBM trip with the kernels before.
+    bt_ahead / early_idx: the split kernel's BT_AHEAD / EARLY_IDX, off until measured on a GPU
+    (perf/kernels/bench_attention.py's +ahead / +early configs). Why: streaming a split's K/V
+    through the block table takes 10.9 us at batch 1, 32K context, and 6.8 us without the
+    table load (perf/kernels/diag_decode_floor.py, H200 run 64; the blocks' order does not
+    matter): the table hop, not the page order, is the cost these variants go after.
     """
     T, H, D = q.shape
     N = block_tables.shape[0]
@@ -225,13 +198,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse = torch.empty((N, H, num_splits), dtype=torch.float32, device=q.device)
     else:
         opart = lse = o  # unused
-    if prefetch is None:
-        prefetch = PREFETCH
-    row_bytes = D * k_cache.element_size()
-    prefetch = (prefetch and pdl.ON.value and row_bytes % 128 == 0
-                and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
-    pf = dict(max_blocks=block_tables.shape[1], num_blocks=k_cache.shape[0], PREFETCH=True,
-              PF_N=32 * num_warps, PF_ASM=prefetch_kv_asm(row_bytes)) if prefetch else {}
     _decode_split_kernel[(N, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, opart, lse, o,
         scale * LOG2E, num_splits, min_split,
@@ -240,7 +206,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         H=H, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
         BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl.ON.value, **pf)
+        BT_AHEAD=bt_ahead, EARLY_IDX=early_idx, launch_pdl=pdl.ON.value)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D
         _decode_merge_kernel[(N, H, D // block_d)](

@@ -46,8 +46,10 @@ GEMV_TC_CONFIG = {2: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128),
                   3: dict(reps=2, num_warps=1, waves=24.0),
                   4: dict(reps=2, num_warps=1, waves=24.0, maxnreg=128)}
 # Per-shape overrides of GEMV_TC_CONFIG, {(N, K): {key: value}} (perf/bench_decode.py's
-# +wW@NxK suffix): the pure-streaming sweep of run 16 streamed in_proj and the 2-bit down
-# projection fastest at 8 programs per SM and gate_up at 48.
+# +wW@NxK suffix). None by default: the pure-streaming sweep of run 16 streamed in_proj and the
+# 2-bit down projection fastest at 8 programs per SM and gate_up at 48, but in the engine (H200
+# run 61) in_proj at waves 8 took 19.1 instead of 16.8 us per call, 2-bit down 15.4 instead of
+# 14.2, and gate_up at waves 48 moved by +-1.5 us (152.4 vs 153.3 tok/s).
 GEMV_TC_SHAPE: dict[tuple[int, int], dict] = {}
 
 

@@ -96,15 +96,15 @@ DECODE_CFGS = {
     "n32_w4_s8_o3": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3),
     "n128_w8_s5_o1": dict(block_n=128, num_warps=8, num_stages=5, programs_per_sm=1),
     "n64_w4_s3_o2": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2),
-    # +pf: each split prefetches its K/V rows into L2 before its PDL wait (decode.PREFETCH)
-    "n64_w4_s5_o2+pf": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2,
-                            prefetch=True),
-    "n64_w4_s3_o2+pf": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2,
-                            prefetch=True),
-    "n32_w4_s8_o3+pf": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3,
-                            prefetch=True),
-    "n128_w8_s5_o1+pf": dict(block_n=128, num_warps=8, num_stages=5, programs_per_sm=1,
-                             prefetch=True),
+    # +ahead: block-table entries one tile ahead; +early: cu, ctx, first entries before the wait
+    "n64_w4_s5_o2+ahead": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2,
+                               bt_ahead=True),
+    "n64_w4_s5_o2+early": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2,
+                               early_idx=True),
+    "n64_w4_s3_o2+early": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2,
+                               early_idx=True),
+    "n32_w4_s8_o3+early": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3,
+                               early_idx=True),
 }
 
 # = the engine's defaults (prefill: volundr.kernels.attention.prefill.IMPL / CONFIGS)

@@ -20,6 +20,8 @@ program, warps, programs per SM): which grid can stream these shapes near the co
 --tiled: the same streaming against a layout with each (n tile, set) contiguous (two orders),
 same bytes: whether the kernel layout's access pattern (a warp's 128-bit loads hit 4 rows of
 128 bytes, N words apart) costs bandwidth.
+--tma: streaming through TMA (host tensor descriptors, loop pipelined through shared memory)
+over a few grids, beside the best pointer-load grids: the floor a TMA-fed GEMV would stand on.
 --l2: gemv_tc (the engine's config) and the load / load+reduce floors reading the same layer at
 every launch (L2-resident where it fits in the H200's ~50 MB: the o_proj and 2/3-bit down
 shapes) against rotating copies from HBM: what a call costs without HBM, i.e. its launch,
@@ -153,6 +155,54 @@ def _stream_tiled_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, N, n_tiles, sets_per_sp
     tl.store(ws_ptr + pid_k.to(tl.int64) * N + pid_n * BN + tl.arange(0, BN), acc.to(tl.float32))
 
 
+@triton.jit
+def _stream_tma_kernel(qa_desc, qb_desc, sz_desc, ws_ptr, N, sets_per_split, n_sets,
+                       RA: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr,
+                       STAGES: tl.constexpr):
+    """--tma: _stream_kernel's bytes, each set's [RA, BN] / [RB, BN] / [4, BN] blocks brought
+    in by TMA (host descriptors), the loop pipelined STAGES deep through shared memory: bytes
+    in flight without registers held for them, a few instructions per set."""
+    pdl.trigger()
+    pdl.wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    acc = tl.zeros([BN], dtype=tl.int32)
+    set0 = pid_k * sets_per_split
+    set1 = tl.minimum(set0 + sets_per_split, n_sets)
+    for st in tl.range(set0, set1, num_stages=STAGES):
+        w = qa_desc.load([st * RA, pid_n * BN])
+        if RB > 0:
+            acc ^= tl.xor_sum(qb_desc.load([st * RB, pid_n * BN]), axis=0)
+        acc ^= tl.xor_sum(w, axis=0) ^ tl.xor_sum(sz_desc.load([st * 4, pid_n * BN]), axis=0)
+    cols = pid_n * BN + tl.arange(0, BN)
+    tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, acc.to(tl.float32), mask=cols < N)
+
+
+# --tma grids: (BN, warps, programs per SM, stages)
+TMA = [(64, 1, 8, 3), (64, 1, 4, 4), (128, 4, 4, 3), (128, 4, 2, 4), (256, 4, 2, 3),
+       (256, 8, 1, 4), (128, 2, 3, 4)]
+
+
+def stream_tma_call(layer, n, k, bits, bn, num_warps, waves, stages, descs):
+    """descs: a cache (per layer and BN) of the host TensorDescriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    qa, qb, sz = layer
+    n_tiles = triton.cdiv(n, bn)
+    n_sets = triton.cdiv(k // 128, 4)
+    ra, rb = qa.shape[0] // n_sets, qb.shape[0] // n_sets
+    key = (id(qa), bn)
+    if key not in descs:
+        szi = sz.view(torch.int32)
+        descs[key] = tuple(TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [r, bn])
+                           for t, r in ((qa, ra), (qb if rb else qa, max(rb, 1)), (szi, 4)))
+    sps, ns = split_k(n_tiles, n_sets, qa.device, waves)
+    ws, _ = _workspace(qa.device, n_tiles, ns * n)
+    _stream_tma_kernel[(n_tiles, ns)](*descs[key], ws, n, sps, n_sets, RA=ra, RB=rb, BN=bn,
+                                      STAGES=stages, num_warps=num_warps,
+                                      launch_pdl=pdl.ON.value)
+
+
 # --sweep grids: (BN rows per program, warps per program, programs per SM); the engine's is
 # (64, 1, 24)
 SWEEP = [(64, 1, 24), (64, 1, 8), (64, 1, 48), (64, 2, 12), (128, 2, 12), (256, 4, 6),
@@ -224,7 +274,17 @@ def run_shape(n: int, k: int, bits: int, sweep: bool | str) -> list[dict]:
         stream_tiled_call(layers[c], n, k, bits, bn, nw, w, sm)
 
     f = functools.partial
-    if sweep == "l2":  # the same layer at every launch: L2-resident where it fits (~50 MB)
+    descs: dict = {}
+
+    def tm(c, bn, nw, w, stages):
+        stream_tma_call(layers[c], n, k, bits, bn, nw, w, stages, descs)
+
+    if sweep == "tma":  # TMA-fed streaming against the best pointer-load grids of run 16
+        variants = {f"stream {bn},{nw},{w}": f(st, bn=bn, nw=nw, w=w)
+                    for bn, nw, w in [(64, 1, 24), (64, 1, 8), (64, 1, 48)]}
+        variants.update({f"tma {bn},{nw},{w},s{sg}": f(tm, bn=bn, nw=nw, w=w, stages=sg)
+                         for bn, nw, w, sg in TMA})
+    elif sweep == "l2":  # the same layer at every launch: L2-resident where it fits (~50 MB)
         variants = {"gemv_tc": f(tc, early=None), "load": f(fl, mode="load"),
                     "gemv_tc l2": lambda c: tc(0, None), "load l2": lambda c: fl(0, "load"),
                     "load+reduce l2": lambda c: fl(0, "load+reduce"),
@@ -250,7 +310,13 @@ def run_shape(n: int, k: int, bits: int, sweep: bool | str) -> list[dict]:
         err = ((y.float() - ref).norm() / ref.norm()).item()
     rows, line = [], [f"{n}x{k} {bits}b ({nbytes / 1e6:.1f} MB, err {err:.1e})"]
     for name, fn in variants.items():
-        us = time_graph(fn, copies)
+        try:
+            us = time_graph(fn, copies)
+        except Exception as e:  # e.g. a TMA grid whose stages exceed shared memory
+            rows.append(dict(n=n, k=k, bits=bits, variant=name, failed=str(e)[:300]))
+            line.append(f"{name} FAILED {str(e)[:80]}")
+            torch.cuda.synchronize()
+            continue
         rows.append(dict(n=n, k=k, bits=bits, variant=name, us=us, bytes=nbytes,
                          gbs=nbytes / us / 1e3, rel_err=err, cfg=cfg))
         line.append(f"{name} {us:.2f} ({nbytes / us / 1e3:.0f} GB/s)")
@@ -266,8 +332,11 @@ def main(argv=None) -> int:
                     help="streaming: the weight layout against tile-contiguous ones")
     ap.add_argument("--l2", action="store_true",
                     help="gemv_tc and the floors with the weights L2-resident vs from HBM")
+    ap.add_argument("--tma", action="store_true",
+                    help="streaming with TMA loads pipelined through shared memory")
     args = ap.parse_args(argv)
-    mode = "tiled" if args.tiled else "l2" if args.l2 else args.sweep
+    mode = ("tiled" if args.tiled else "l2" if args.l2 else "tma" if args.tma
+            else args.sweep)
     rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, mode)]
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
