@@ -149,7 +149,31 @@ def plot_prefill_attention(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_decode_attention_floor(out: Path) -> None:
+    """Batch-1 decode attention (run 63, diag_decode_floor.py): our kernel, SDPA on contiguous
+    K/V, and the load-only floor on the kernel's grid, as fractions of the D2D copy rate (the
+    run's "1-hop" rows read L2-resident blocks at 4K / 32K: left out)."""
+    d = json.loads((HERE / "results" / "decode_floor_run63.json").read_text())
+    rows = [r for r in d["rows"] if r["batch"] == 1 and "us" in r]
+    labels = {"kernel": "paged_decode_attention (split + merge)",
+              "load": "load floor: same grid, K/V through the block table",
+              "sdpa": "torch SDPA, contiguous K/V"}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for v, label in labels.items():
+        pts = sorted((r["context"], r["frac_of_copy"]) for r in rows if r["variant"] == v)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    ax.axhline(0.8, color="gray", ls=":", label="goal: 80% of copy")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens), batch 1, 40 q / 2 KV heads, d 128, bf16")
+    ax.set_ylabel("K+V bytes / time, fraction of D2D copy")
+    ax.set_title("Batch-1 decode attention vs load-only floors, H200 run 63")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
+    plot_decode_attention_floor(HERE / "decode_attention_floor_h200.png")
     plot_prefill_attention(HERE / "prefill_attention_h200.png")
     plot_kda_prefill(HERE / "kda_prefill_h200.png")
     plot_decode(HERE / "decode_h200.png")

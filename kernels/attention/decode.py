@@ -176,10 +176,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     indirection: num_stages=3 leaves one K/V buffer (no overlap), 5 gives two (78 KiB of shared
     memory, two programs per SM). Defaults: the best of a sweep on an H200 (perf/RESULTS.md).
     bt_ahead / early_idx: the split kernel's BT_AHEAD / EARLY_IDX, off until measured on a GPU
-    (perf/kernels/bench_attention.py's +ahead / +early configs). Why: streaming a split's K/V
-    through the block table takes 10.9 us at batch 1, 32K context, and 6.8 us without the
-    table load (perf/kernels/diag_decode_floor.py, H200 run 64; the blocks' order does not
-    matter): the table hop, not the page order, is the cost these variants go after.
+    (perf/kernels/bench_attention.py's +ahead / +early configs): they take the table loads off
+    the K/V loads' path. At batch 1 and 32K context this kernel takes ~17.7 us where loading
+    the same K/V on its grid through the table takes ~10.9 us (perf/kernels/diag_decode_floor.py,
+    H200 runs 63-64; the blocks' order does not change it).
     """
     T, H, D = q.shape
     N = block_tables.shape[0]

@@ -1,11 +1,13 @@
 """Benchmark paged attention (decode and prefill) and the norm kernels on one CUDA GPU.
 
   python3 perf/kernels/bench_attention.py --out $OUT [--sweep] [--prefill-only] [--prefix P]
+      [--decode-only] [--decode-cfgs NAME,...] [--fenced]
 
 Decode: K+V bytes read per call over time, against the device-to-device copy bandwidth (bytes
 read + written) measured in the same run. Each timed CUDA graph runs R calls over R disjoint
 block sets (>= 512 MiB of KV in all) so no call finds its K/V in L2, as a real forward over 18
-layers would not. Prefill: causal TFLOP/s (2 * T^2 * H * D) against
+layers would not; consecutive calls overlap as PDL lets them (--fenced also times every config
+with a non-PDL kernel between calls: the single-call latency). Prefill: causal TFLOP/s (2 * T^2 * H * D) against
 torch.nn.functional.scaled_dot_product_attention (best of its backends; K/V expanded to 40 heads
 and enable_gqa); each config's output checked against SDPA's, a config that fails (error,
 compile, resources) is reported and skipped. Prefill configs: "paged" the block-table kernel,
