@@ -7,14 +7,15 @@ Decode: K+V bytes read per call over time, against the device-to-device copy ban
 read + written) measured in the same run. Each timed CUDA graph runs R calls over R disjoint
 block sets (>= 512 MiB of KV in all) so no call finds its K/V in L2, as a real forward over 18
 layers would not; consecutive calls overlap as PDL lets them (--fenced also times every config
-with a non-PDL kernel between calls: the single-call latency). Prefill: causal TFLOP/s (2 * T^2 * H * D) against
-torch.nn.functional.scaled_dot_product_attention (best of its backends; K/V expanded to 40 heads
-and enable_gqa); each config's output checked against SDPA's, a config that fails (error,
-compile, resources) is reported and skipped. Prefill configs: "paged" the block-table kernel,
-"phased" / "desc" the two-phase kernel (prefill_phased.py) gathering the new tokens' K/V or
-reading them contiguously through TMA. --prefix P: also 512 / 2048 new tokens after P cached
-ones (a resumed session: the prefix part is a block-table gather in every config) against SDPA
-with a bottom-right causal mask. Writes attention_bench.json and attention_bench.png.
+with a non-PDL kernel between calls: the single-call latency). Prefill: causal TFLOP/s (2 * T^2
+* H * D) against torch.nn.functional.scaled_dot_product_attention (best of its backends; K/V
+expanded to 40 heads and enable_gqa); each config's output checked against SDPA's, a config that
+fails (error, compile, resources) is reported and skipped. Prefill configs: "paged" the
+block-table kernel, "phased" / "desc" the two-phase kernel (prefill_phased.py) gathering the new
+tokens' K/V or reading them contiguously through TMA. --prefix P: also 512 / 2048 new tokens
+after P cached ones (a resumed session: the prefix part is a block-table gather in every config)
+against SDPA with a bottom-right causal mask. Writes attention_bench.json and
+attention_bench.png.
 """
 
 from __future__ import annotations
