@@ -99,18 +99,24 @@ def _floor_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, cnt_ptr, y_ptr, N, ra, rb, set
 
 
 @triton.jit
+def _program_sets(sets_per_split, n_sets):
+    """The streaming kernels' prologue (PDL trigger and wait): program (n tile, split) and its
+    sets set0 .. set1 - 1."""
+    pdl.trigger()
+    pdl.wait()
+    pid_k = tl.program_id(1)
+    set0 = pid_k * sets_per_split
+    return tl.program_id(0), pid_k, set0, tl.minimum(set0 + sets_per_split, n_sets)
+
+
+@triton.jit
 def _stream_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, N, sets_per_split, n_sets,
                    RA: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr):
     """--sweep: a program streams its sets with every load of a set issued before any is used
     (RA / RB rows of qa / qb per set, unrolled): the most bytes in flight registers allow."""
-    pdl.trigger()
-    pdl.wait()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_n, pid_k, set0, set1 = _program_sets(sets_per_split, n_sets)
     cols = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BN], dtype=tl.int32)
-    set0 = pid_k * sets_per_split
-    set1 = tl.minimum(set0 + sets_per_split, n_sets)
     for st in range(set0, set1):
         rows = st * RA + tl.arange(0, RA)
         w = tl.load(qa_ptr + rows[:, None] * N + cols[None, :])
@@ -133,13 +139,8 @@ def _stream_tiled_kernel(qa_ptr, qb_ptr, sz_ptr, ws_ptr, N, n_tiles, sets_per_sp
     contiguous bytes instead of 4 rows x 128 bytes N words apart. SET_MAJOR: tiles ordered
     [set][n tile] (the programs resident together read neighbouring tiles), else [n tile][set]
     (a program's sets follow each other)."""
-    pdl.trigger()
-    pdl.wait()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_n, pid_k, set0, set1 = _program_sets(sets_per_split, n_sets)
     acc = tl.zeros([BN], dtype=tl.int32)
-    set0 = pid_k * sets_per_split
-    set1 = tl.minimum(set0 + sets_per_split, n_sets)
     for st in range(set0, set1):
         if SET_MAJOR:
             t = (st * n_tiles + pid_n).to(tl.int64)
@@ -162,13 +163,8 @@ def _stream_tma_kernel(qa_desc, qb_desc, sz_desc, ws_ptr, N, sets_per_split, n_s
     """--tma: _stream_kernel's bytes, each set's [RA, BN] / [RB, BN] / [4, BN] blocks brought
     in by TMA (host descriptors), the loop pipelined STAGES deep through shared memory: bytes
     in flight without registers held for them, a few instructions per set."""
-    pdl.trigger()
-    pdl.wait()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_n, pid_k, set0, set1 = _program_sets(sets_per_split, n_sets)
     acc = tl.zeros([BN], dtype=tl.int32)
-    set0 = pid_k * sets_per_split
-    set1 = tl.minimum(set0 + sets_per_split, n_sets)
     for st in tl.range(set0, set1, num_stages=STAGES):
         w = qa_desc.load([st * RA, pid_n * BN])
         if RB > 0:
