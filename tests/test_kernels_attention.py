@@ -166,9 +166,12 @@ def run_cpu(group: str) -> None:
                 for ns in (None, 1, 3):
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
                                     num_splits=ns, block_n=8, min_split=8)
-                for variant in ("bt_ahead", "early_idx"):  # block-table entries a tile ahead
+                # block-table entries a tile ahead; every KV head in one program
+                for variant in ("bt_ahead", "early_idx", "all_heads"):
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
                                     num_splits=3, block_n=8, min_split=8, **{variant: True})
+                check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
+                                num_splits=1, block_n=8, all_heads=True)
             check_attention([1, 1], [50, 3], 4, 2, 16, 4, dtype, "cpu", _seed(), decode=True,
                             num_splits=4, block_n=8, min_split=16, max_context_len=1000)
             check_attention([1, 1], [20, 7], 4, 2, 16, 4, dtype, "cpu", _seed())  # via engine
@@ -238,10 +241,10 @@ def test_cuda_prefill_via_engine_with_new_kv():
 @gpu
 @pytest.mark.parametrize("ctx_lens", [[1], [17, 4096, 33000, 250], [70000], [5] * 16])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-@pytest.mark.parametrize("variant", ["", "bt_ahead", "early_idx"])
+@pytest.mark.parametrize("variant", ["", "bt_ahead", "early_idx", "all_heads"])
 def test_cuda_decode(ctx_lens, num_splits, variant):
     """variant: the split kernel's block-table entries one tile ahead / indices before the
-    PDL wait (decode.py's BT_AHEAD / EARLY_IDX)."""
+    PDL wait (decode.py's BT_AHEAD / EARLY_IDX) / every KV head in one program."""
     check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
                     _seed(), decode=True, num_splits=num_splits,
                     **({variant: True} if variant else {}))

@@ -147,6 +147,11 @@ def compile_all() -> list[str]:
             for variant in ("bt_ahead", "early_idx"):
                 decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192,
                                               **{variant: True})
+            # every KV head in one program, at perf/kernels/bench_attention.py's configs
+            for bn, stages in ((32, 4), (16, 6)):
+                decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192,
+                                              block_n=bn, num_warps=8, num_stages=stages,
+                                              min_split=128, all_heads=True)
         # prefill's two-phase kernel (prefill_phased.py): the new tokens' K/V through TMA
         # descriptors (k, v column slices of a fused projection, as in the engine) or gathered;
         # the configs perf/kernels/bench_attention.py times (shared memory checked on the GPU)
@@ -257,7 +262,8 @@ def test_kernels_compile_for_sm90(pdl):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     names = set(r.stdout.split())
     expected = {"_rms_norm_kernel", "_rms_norm_gated_kernel", "_swiglu_kernel", "_lookup_kernel",
-                "_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+                "_store_kv_kernel", "_decode_split_kernel", "_decode_split_heads_kernel",
+                "_decode_merge_kernel",
                 "_prefill_kernel", "_prefill_phased_kernel", "_fused_recurrent_kda_kernel",
                 "_conv_seq_kernel", "_kda_decode_kernel",
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",

@@ -4,7 +4,9 @@ Kernel 1 splits every sequence's KV length into `num_splits` chunks; program (n,
 reads each K/V row of its chunk once and uses it for all GROUP query heads of that KV head: the
 group is the M dimension of the two tl.dot's (padded to G_PAD >= 16). It writes the chunk's
 normalised partial output and its log-sum-exp. Kernel 2 merges the chunks per (n, head). With one
-split, kernel 1 writes the final output directly and kernel 2 is skipped.
+split, kernel 1 writes the final output directly and kernel 2 is skipped. Opt-in variants of
+kernel 1, not yet measured on a GPU: block-table entries a tile ahead (bt_ahead, early_idx) and
+every KV head in one program (all_heads, _decode_split_heads_kernel).
 
 The split count depends only on host ints (batch size, max_context_len, SM count), never on
 device values, so the path does no host sync and is CUDA-graph capturable. Each sequence cuts
@@ -35,6 +37,19 @@ def _split_len(ctx, num_splits, gran, min_split):
 
 
 @triton.jit
+def _split_range(cu_ptr, ctx_ptr, n, sp, num_splits, gran, min_split):
+    """Sequence n's query row q_idx, q_len (0 or 1), context and split sp's tokens start ..
+    end - 1 (empty where start >= ctx)."""
+    q_idx = tl.load(cu_ptr + n)
+    q_len = tl.load(cu_ptr + n + 1) - q_idx
+    ctx = tl.load(ctx_ptr + n)
+    split_len = _split_len(ctx, num_splits, gran, min_split)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, ctx)
+    return q_idx, q_len, ctx, start, end
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, opart_ptr, lse_ptr, o_ptr,
     scale_log2, num_splits, min_split,
@@ -54,12 +69,8 @@ def _decode_split_kernel(
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    q_idx = tl.load(cu_ptr + n)
-    q_len = tl.load(cu_ptr + n + 1) - q_idx
-    ctx = tl.load(ctx_ptr + n)
-    split_len = _split_len(ctx, num_splits, BLOCK_N, min_split)
-    start = sp * split_len
-    end = tl.minimum(start + split_len, ctx)
+    q_idx, q_len, ctx, start, end = _split_range(cu_ptr, ctx_ptr, n, sp, num_splits, BLOCK_N,
+                                                 min_split)
     bt_row = bt_ptr + n.to(tl.int64) * stride_bt
     offs_b = tl.arange(0, BLOCK_N)
     page = tl.zeros([BLOCK_N], tl.int32)
@@ -116,6 +127,70 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _decode_split_heads_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, opart_ptr, lse_ptr, o_ptr,
+    scale_log2, num_splits, min_split,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    H: tl.constexpr, KVH: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """_decode_split_kernel with every KV head in one program (grid (N, 1, num_splits)): each
+    token's K and V rows are read whole ([BLOCK_N, KVH D] tiles), not half by one program and
+    half by another. Rows r = (kv head h, query g of its group), columns c = (kv head h', dim
+    d); q is block-diagonal (zero where h' != h), so one 2-D dot gives every head's scores
+    ([KVH G_PAD, BLOCK_N]) and one more every head's P V, of which the diagonal blocks are
+    kept: twice the tensor-core work of per-head dots, which decode has to spare."""
+    pdl.trigger()  # a PDL-launched successor may start
+    pdl.wait()  # PDL: inputs come from the kernel before
+    n = tl.program_id(0)
+    sp = tl.program_id(2)
+    q_idx, q_len, ctx, start, end = _split_range(cu_ptr, ctx_ptr, n, sp, num_splits, BLOCK_N,
+                                                 min_split)
+    if (q_len == 0) | (start >= ctx):  # nothing to do; the merge masks this split out
+        return
+    offs_r = tl.arange(0, KVH * G_PAD)
+    offs_c = tl.arange(0, KVH * D)
+    h_c, d_c = offs_c // D, offs_c % D
+    g_r = offs_r % G_PAD
+    heads = (offs_r // G_PAD) * GROUP + g_r
+    keep = (g_r < GROUP)[:, None] & ((offs_r // G_PAD)[:, None] == h_c[None, :])
+    q = tl.load(q_ptr + q_idx.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                + d_c[None, :], mask=keep, other=0.0)                    # [KVH G_PAD, KVH D]
+    m_i = tl.full([KVH * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([KVH * G_PAD], tl.float32)
+    acc = tl.zeros([KVH * G_PAD, KVH * D], tl.float32)
+    bt_row = bt_ptr + n.to(tl.int64) * stride_bt
+    for s in range(start, end, BLOCK_N):
+        offs_n = s + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        page = tl.load(bt_row + offs_n // BS, mask=nmask, other=0).to(tl.int64)
+        row = offs_n % BS
+        k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks
+                    + h_c[None, :] * stride_kh + d_c[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs
+                    + h_c[None, :] * stride_vh + d_c[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [KVH G_PAD, BLOCK_N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if DIRECT:  # a single split: this is the final output
+        tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                 + d_c[None, :], out.to(o_ptr.dtype.element_ty), mask=keep)
+    else:  # partials: opart [N, H, num_splits, D] fp32, lse [N, H, num_splits] (log2 units)
+        row_nh = (n * H + heads).to(tl.int64)
+        tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + d_c[None, :], out,
+                 mask=keep)
+        tl.store(lse_ptr + row_nh * num_splits + sp, m_i + tl.log2(l_i), mask=g_r < GROUP)
+
+
+@triton.jit
 def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, cu_ptr, ctx_ptr, num_splits, gran,
                          min_split, stride_ot, stride_oh,
                          H: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -167,7 +242,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, block_n: int = 64,
                            num_warps: int = 4, num_stages: int = 5,
                            programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
-                           bt_ahead: bool = False, early_idx: bool = False) -> torch.Tensor:
+                           bt_ahead: bool = False, early_idx: bool = False,
+                           all_heads: bool = False) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
     q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
@@ -180,6 +256,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the K/V loads' path. At batch 1 and 32K context this kernel takes ~17.7 us where loading
     the same K/V on its grid through the table takes ~10.9 us (perf/kernels/diag_decode_floor.py,
     H200 runs 63-64; the blocks' order does not change it).
+    all_heads (KVH a power of 2; off until measured): one program per (sequence, split) for
+    every KV head (_decode_split_heads_kernel), the splits counted as for one KV head. Loading
+    whole rows that way streamed 32K at 0.79 of copy instead of 0.72, 4K at 0.24 instead of
+    0.15 (run 64's floors).
     """
     T, H, D = q.shape
     N = block_tables.shape[0]
@@ -189,8 +269,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if T == 0:
         return o
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
+    all_heads = all_heads and KVH == triton.next_power_of_2(KVH)
     if num_splits is None:
-        num_splits = choose_splits(N, KVH, max_context_len, sms, programs_per_sm, min_split)
+        num_splits = choose_splits(N, 1 if all_heads else KVH, max_context_len, sms,
+                                   programs_per_sm, min_split)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     min_split = triton.cdiv(max(1, min_split), block_n) * block_n
     if num_splits > 1:
@@ -198,15 +280,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse = torch.empty((N, H, num_splits), dtype=torch.float32, device=q.device)
     else:
         opart = lse = o  # unused
-    _decode_split_kernel[(N, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, opart, lse, o,
-        scale * LOG2E, num_splits, min_split,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        H=H, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
-        BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps, num_stages=num_stages,
-        BT_AHEAD=bt_ahead, EARLY_IDX=early_idx, launch_pdl=pdl.ON.value)
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, opart, lse, o,
+            scale * LOG2E, num_splits, min_split,
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    consts = dict(H=H, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
+                  BLOCK_N=block_n, DIRECT=num_splits == 1, num_warps=num_warps,
+                  num_stages=num_stages, launch_pdl=pdl.ON.value)
+    if all_heads:
+        _decode_split_heads_kernel[(N, 1, num_splits)](*args, KVH=KVH, **consts)
+    else:
+        _decode_split_kernel[(N, KVH, num_splits)](*args, BT_AHEAD=bt_ahead,
+                                                   EARLY_IDX=early_idx, **consts)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D
         _decode_merge_kernel[(N, H, D // block_d)](

@@ -108,6 +108,14 @@ DECODE_CFGS = {
                                early_idx=True),
     "n32_w4_s8_o3+early": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3,
                                early_idx=True),
+    # every KV head in one program (all_heads; sm_90 compile: 137 / 136 / 154 registers, 96 /
+    # 80 / 128 KiB of shared memory), splits of >= 128 tokens
+    "heads_n32_w8_s4_o2": dict(block_n=32, num_warps=8, num_stages=4, programs_per_sm=2,
+                               min_split=128, all_heads=True),
+    "heads_n16_w8_s6_o2": dict(block_n=16, num_warps=8, num_stages=6, programs_per_sm=2,
+                               min_split=128, all_heads=True),
+    "heads_n32_w8_s5_o1": dict(block_n=32, num_warps=8, num_stages=5, programs_per_sm=1,
+                               min_split=128, all_heads=True),
 }
 
 # = the engine's defaults (prefill: volundr.kernels.attention.prefill.IMPL / CONFIGS)
