@@ -22,6 +22,8 @@ same bytes: whether the kernel layout's access pattern (a warp's 128-bit loads h
 128 bytes, N words apart) costs bandwidth.
 --tma: streaming through TMA (host tensor descriptors, loop pipelined through shared memory)
 over a few grids, beside the best pointer-load grids: the floor a TMA-fed GEMV would stand on.
+--layer: a KDA layer's four matmuls streamed in four launches (each on its best grid) against
+the same bytes in one launch: the floor of a weight stream that runs on across kernels.
 --l2: gemv_tc (the engine's config) and the load / load+reduce floors reading the same layer at
 every launch (L2-resident where it fits in the H200's ~50 MB: the o_proj and 2/3-bit down
 shapes) against rotating copies from HBM: what a call costs without HBM, i.e. its launch,
@@ -320,6 +322,42 @@ def run_shape(n: int, k: int, bits: int, sweep: bool | str) -> list[dict]:
     return rows
 
 
+# --layer: a KDA layer's four matmuls as the decode step runs them (3-bit MLP), each on its
+# best pointer-load streaming grid of runs 16 / 62 (BN, warps, programs per SM)
+LAYER = {(15680, 5120, 4): (64, 1, 8), (5120, 5120, 4): (64, 1, 24),
+         (34816, 5120, 3): (64, 1, 48), (5120, 17408, 3): (64, 1, 24)}
+
+
+def run_layer() -> list[dict]:
+    """Streaming floor of one layer: its four matmuls' weights in four launches (each shape on
+    its best grid) against the same bytes as one 4-bit 5120 x K plane in one launch: what a
+    kernel whose weight stream runs on across the layer's matmuls could reach at most."""
+    per = {s: layer_bytes(random_layer(*s)) for s in LAYER}
+    total = sum(per.values())
+    copies = max(2, min(64, math.ceil(STREAM_BYTES / total)))
+    layers = [{s: random_layer(*s, seed=c) for s in LAYER} for c in range(copies)]
+    kk = round(total / (5120 * (0.5 + 4 / 128)) / 512) * 512  # 4-bit words + scales / zeros
+    plane = [random_layer(5120, kk, 4, seed=100 + c) for c in range(copies)]
+
+    def four(c):
+        for (n, k, bits), (bn, nw, w) in LAYER.items():
+            stream_call(layers[c][(n, k, bits)], n, k, bits, bn, nw, w)
+
+    def one(c, w):
+        stream_call(plane[c], 5120, kk, 4, 64, 1, w)
+
+    variants = {"4 launches": (four, total)}
+    variants.update({f"1 launch, 64,1,{w}": (functools.partial(one, w=w), layer_bytes(plane[0]))
+                     for w in (8, 24, 48)})
+    rows, line = [], [f"layer {total / 1e6:.1f} MB (one plane 5120x{kk} 4b)"]
+    for name, (fn, nbytes) in variants.items():
+        us = time_graph(fn, copies)
+        rows.append(dict(variant=name, us=us, bytes=nbytes, gbs=nbytes / us / 1e3))
+        line.append(f"{name} {us:.2f} ({nbytes / us / 1e3:.0f} GB/s)")
+    print("\n  ".join(line), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gemv_floor.json")
@@ -330,10 +368,15 @@ def main(argv=None) -> int:
                     help="gemv_tc and the floors with the weights L2-resident vs from HBM")
     ap.add_argument("--tma", action="store_true",
                     help="streaming with TMA loads pipelined through shared memory")
+    ap.add_argument("--layer", action="store_true",
+                    help="a layer's weights streamed in four launches vs in one")
     args = ap.parse_args(argv)
     mode = ("tiled" if args.tiled else "l2" if args.l2 else "tma" if args.tma
             else args.sweep)
-    rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, mode)]
+    if args.layer:
+        rows = run_layer()
+    else:
+        rows = [r for n, k, bits in SHAPES for r in run_shape(n, k, bits, mode)]
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     return 0
