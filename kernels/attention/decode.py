@@ -258,7 +258,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     H200 runs 63-64; the blocks' order does not change it).
     all_heads (KVH a power of 2; off until measured): one program per (sequence, split) for
     every KV head (_decode_split_heads_kernel), the splits counted as for one KV head. Loading
-    whole rows that way streamed 32K at 0.79 of copy instead of 0.72, 4K at 0.24 instead of
+    whole rows that way streamed 32K at 0.76 of copy instead of 0.72, 4K at 0.24 instead of
     0.15 (run 64's floors).
     """
     T, H, D = q.shape
