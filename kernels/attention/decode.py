@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
+from volundr.kernels.attention.prefill_phased import _softmax_step
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256  # the merge holds all of a head's splits in one [S_PAD, BLOCK_D] tile
@@ -170,14 +171,9 @@ def _decode_split_heads_kernel(
                     + h_c[None, :] * stride_kh + d_c[None, :], mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs
                     + h_c[None, :] * stride_vh + d_c[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [KVH G_PAD, BLOCK_N]
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # scores [KVH G_PAD, BLOCK_N]; acc [KVH G_PAD, KVH D]
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v,
+                                      nmask[None, :], scale_log2, True)
 
     out = acc / l_i[:, None]
     if DIRECT:  # a single split: this is the final output
