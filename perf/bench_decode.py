@@ -15,7 +15,9 @@ default now, also without a suffix); +fold = the residual add + RMSNorm folded i
 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its o_proj GEMV
 or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm in the
 output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
-(engine.RESIDUAL_NORM_FOLD), +lrfold / +nolrfold = KDA's f_b / g_b computed in its decode kernel
+(engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one
+persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold
+= KDA's f_b / g_b computed in its decode kernel
 or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL trigger at its top
 (pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly = its first
 weights of each set loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4
@@ -408,7 +410,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
-                kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE)
+                kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -418,6 +420,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GATED_NORM_FOLD = sfx == "gfold"
         elif sfx in ("rfold", "norfold"):  # norms in the output GEMVs' epilogues / not
             qengine.RESIDUAL_NORM_FOLD = sfx == "rfold"
+        elif sfx in ("chain", "nochain"):  # an MLP's two GEMVs in one launch / not
+            qengine.GEMV_CHAIN = sfx == "chain"
         elif sfx in ("lrfold", "nolrfold"):  # KDA's f_b / g_b in its decode kernel / not
             kengine.LOW_RANK_FOLD = sfx == "lrfold"
         elif sfx in ("late", "top"):
@@ -450,7 +454,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
-                             "gfold, nogfold, rfold, norfold, lrfold, nolrfold, early, noearly, "
+                             "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
+                             "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp)
@@ -462,7 +467,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
-         kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE) = defaults
+         kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list[dict]:

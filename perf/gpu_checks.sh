@@ -6,7 +6,8 @@
 #     PART=bench COMPARE=gemv bash perf/gpu_checks.sh   # GEMV configs (~1.5 min) + end-to-end
 #                                          # decode, 2 variants (~2.5 min; ~1.2 min each after
 #                                          # the first, session 8); gemm16, kda apart
-# env: TESTS (test files), TEST_K (pytest -k), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16, kda; "" = none);
+# env: TESTS (test files), TEST_K (pytest -k), TEST_TIMEOUT; COMPARE (comma list of gemv, gemm16,
+#      kda, chain; "" = none; CHAIN_ARGS / CHAIN_TIMEOUT for perf/kernels/bench_chain.py);
 #      VARIANTS ("" = no end-to-end run) / TOKENS / BENCH_ARGS (perf/bench_decode.py),
 #      BENCH_TIMEOUT; TC_CONFIGS / TC16_CONFIGS ("reps,warps,waves;...": the tensor-core configs
 #      that gemv / gemm16 compare; GEMV_TIMEOUT, GEMM16_TIMEOUT); NOPDL_TESTS / NOPDL_VARIANTS:
@@ -31,7 +32,7 @@ fi
 if [ "$PART" != bench ]; then
   TESTS=${TESTS:-"tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_engram.py \
     tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py \
-    tests/test_triton_only.py tests/test_kernels_kda.py"}
+    tests/test_triton_only.py tests/test_gemv_chain.py tests/test_kernels_kda.py"}
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
     -k "${TEST_K:-cuda or gpu}" > "$OUT/gpu_tests.log" 2>&1
@@ -56,6 +57,10 @@ if [ "$PART" != tests ]; then
     timeout "${GEMM16_TIMEOUT:-120}" python3 perf/kernels/bench_quant.py --m16-compare \
       --tc-configs "${TC16_CONFIGS:-}" --out "$OUT/gemm16_compare.json" 2>&1 | tail -30 \
       >> "$OUT/bench.log"
+  fi
+  if [[ ",$COMPARE," == *,chain,* ]]; then  # dependent GEMVs: launches vs one chain launch
+    timeout "${CHAIN_TIMEOUT:-400}" python3 perf/kernels/bench_chain.py --out "$OUT/chain.json" \
+      ${CHAIN_ARGS:-} 2>&1 | tail -40 >> "$OUT/bench.log"
   fi
   if [[ ",$COMPARE," == *,kda,* ]]; then  # KDA prefill chunk-local stage: current vs sub vs fla
     # shellcheck disable=SC2086

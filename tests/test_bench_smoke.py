@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 # the kernels' switches as suffixes
-MIXED = "mixed@2+fold+gfold+rfold+lrfold+late+early+e4:2/3:2+r1+w8+uncap+tcmin2048+s2"
+MIXED = "mixed@2+fold+gfold+rfold+chain+lrfold+late+early+e4:2/3:2+r1+w8+uncap+tcmin2048+s2"
 
 
 def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
@@ -43,3 +43,20 @@ def test_bench_allreduce_runs_with_gloo(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "allreduce.json").read_text())["rows"]
     assert [(x["rows"], x["ok"]) for x in rows] == [(1, True), (3, True)]
+
+
+def test_bench_chain_smoke(tmp_path):
+    """perf/kernels/bench_chain.py under the interpreter at tiny shapes: every variant's output
+    checked against the launches' and timed (the CPU times mean nothing)."""
+    import os
+
+    bench = Path(__file__).resolve().parents[1] / "perf" / "kernels" / "bench_chain.py"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(bench), "--smoke", "--bits", "2", "--chains", "mlp",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "chain.json").read_text())["rows"]
+    assert [x["variant"] for x in rows] == ["launches", "chain", "chain+pf1", "chain+pfall",
+                                            "chain early=2", "chain early=0", "chain nocoop"]
+    assert all(x["rel_err"] < 1e-2 and x["us"] > 0 for x in rows)

@@ -47,7 +47,7 @@ def _install_fake_driver() -> list[str]:
         compiled.append(self.__name__)
         if kwargs.get("launch_pdl"):
             PDL_PTX.append((self.__name__, kernel.asm["ptx"]))
-        if self.__name__ in ("gemv_tc_kernel", "gemm_tc_kernel"):
+        if self.__name__ in ("gemv_tc_kernel", "gemm_tc_kernel", "gemv_chain_kernel"):
             TC_TTGIR.append((self.__name__, kernel.asm["ttgir"]))
         return kernel
 
@@ -97,6 +97,16 @@ def pdl_order_errors(kernels: list[tuple[str, str]]) -> list[str]:
     return errors
 
 
+def chain_errors(ptxs: list[str]) -> list[str]:
+    """The GEMV chain's PTX (kernels/grid_sync.py): PDL's trigger and wait, a release arrive
+    and an acquire poll per barrier, and the reads of earlier stages' outputs past L1."""
+    need = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
+            "atom.global.gpu.release.add", "ld.global.gpu.acquire", "ld.global.cg")
+    if not ptxs:
+        return ["gemv_chain_kernel: not compiled with PDL"]
+    return [f"gemv_chain_kernel: no {n}" for ptx in ptxs for n in need if n not in ptx]
+
+
 def compile_all() -> list[str]:
     compiled = _install_fake_driver()
     import volundr.kernels.attention.decode as decode
@@ -107,10 +117,11 @@ def compile_all() -> list[str]:
     from volundr.kernels.kda import engine as kda
     from volundr.kernels.norm.engine import rms_norm, rms_norm_gated, swiglu
     from volundr.kernels.quant import engine as quant
+    from volundr.kernels.quant import gemv_chain
     from volundr.kernels.quant.fit import minmax_quant
     from volundr.kernels.quant.pack import pack_scale_zero, to_kernel_layout
 
-    decode._num_sms = gemv._num_sms = lambda *_: SMS
+    decode._num_sms = gemv._num_sms = gemv_chain._num_sms = lambda *_: SMS
     bf = torch.bfloat16
 
     # norms and SwiGLU
@@ -239,6 +250,25 @@ def compile_all() -> list[str]:
             for m in (1, 5, 12):
                 tc = quant.gemv_tc.gemv_tc if m == 1 else quant.gemm_tc.gemm_tc
                 tc(torch.randn(m, 1024, dtype=bf), *ragged, bits, g, reps=1)
+        # dependent GEMVs in one persistent launch (gemv_chain.py): an MLP (gate_up with the
+        # norm's scale, down with the SwiGLU and a residual epilogue), through the engine; a
+        # layer's tail (o_proj first), with the L2 prefetch before each barrier
+        chain_, quant.GEMV_CHAIN = quant.GEMV_CHAIN, True
+        up, dn, o = layer(2048, bits), layer(1024, bits), layer(1024, 4)  # K = 1024 each
+        v = torch.randn(3, 1, 1024, dtype=bf)
+        assert quant.quant_mlp_chain(v[0], torch.rand(8), 1e-6, (*up, bits, 128),
+                                     (*dn, bits, 128), v[1], v[2, 0])
+        quant.GEMV_CHAIN = chain_
+        h0, xw0, xw1, h1 = (torch.empty(1, 1024, dtype=bf) for _ in range(4))
+        gu, ss0, ss1 = torch.empty(1, 2048, dtype=bf), torch.empty(16), torch.empty(16)
+        kw = dict(group_size=128, reps=2, maxnreg=128)
+        gemv_chain.gemv_chain([
+            dict(x=v[0], qa=o[0], qb=o[1], sz=o[2], bits=4, out=h0,
+                 residual=(v[1], v[2, 0], xw0, ss0), **kw),
+            dict(x=xw0, qa=up[0], qb=up[1], sz=up[2], bits=bits, out=gu, rscale=(ss0, 1e-6),
+                 **kw),
+            dict(x=gu, qa=dn[0], qb=dn[1], sz=dn[2], bits=bits, out=h1, swiglu=True,
+                 residual=(h0, v[2, 0], xw1, ss1), **kw)], prefetch=True)
         fold, quant.NORM_FOLD = quant.NORM_FOLD, True  # residual add + RMSNorm in the GEMV
         v = torch.randn(3, 1, 1024, dtype=bf)
         assert quant.quant_matmul_rms_norm(v[0], v[1], v[2, 0], 1e-6, qa, qb, sz, bits, 128)
@@ -269,7 +299,7 @@ def test_kernels_compile_for_sm90(pdl):
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
                 "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel",
                 "quant_matmul_kernel",
-                "dequant_kernel", "gemv_tc_kernel"}
+                "dequant_kernel", "gemv_tc_kernel", "gemv_chain_kernel"}
     assert expected <= names, f"not compiled: {expected - names}"
 
 
@@ -280,7 +310,10 @@ if __name__ == "__main__":
         sys.exit(f"tensor-core kernels off the fragment layout ({len(TC_TTGIR)} compiles): {bad}")
     if os.environ.get("VOLUNDR_PDL") == "1":
         names = {n for n, _ in PDL_PTX}
-        errors = pdl_order_errors(PDL_PTX)
+        # the chain's stage-0 item loop is laid out with its tail above its head: text order
+        # is not execution order there (its waits come first by construction, gemv_chain.py)
+        errors = pdl_order_errors([k for k in PDL_PTX if k[0] != "gemv_chain_kernel"])
+        errors += chain_errors([ptx for n, ptx in PDL_PTX if n == "gemv_chain_kernel"])
         if len(names) < 10 or errors:  # GEMVs, norms, SwiGLU, conv, KDA decode, attention
             sys.exit(f"PDL kernels {sorted(names)}: {errors}")
 

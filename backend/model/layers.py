@@ -90,8 +90,8 @@ class NextNorm:
     next RMSNorm `norm`. The residual stream comes from `src` (a PreNorm or Normed: its
     residual_out, known once the layer's input projection has run; or the tensor itself)."""
 
-    def __init__(self, src, norm: RMSNorm):
-        self.src, self.norm = src, norm
+    def __init__(self, src, norm: RMSNorm, defer: bool = False):
+        self.src, self.norm, self.defer = src, norm, defer
 
     @property
     def residual(self) -> torch.Tensor:
@@ -99,10 +99,25 @@ class NextNorm:
         return s.residual_out if isinstance(s, (PreNorm, Normed)) else s
 
 
+class PendingOut:
+    """A mixer's output projection not run yet (`out_proj` with a deferring post): held back
+    so that the MLP after it may run it in one launch with its own two GEMVs
+    (`MLP.forward_chained`); value() runs it as out_proj would have."""
+
+    def __init__(self, linear: nn.Module, x, post: NextNorm):
+        self.linear, self.x, self.post = linear, x, post
+
+    def value(self):
+        return out_proj(self.linear, self.x, NextNorm(self.post.src, self.post.norm))
+
+
 def out_proj(linear: nn.Module, x, post: NextNorm | None, swiglu: bool = False):
     """A layer's output projection linear(x) (swiglu: see QuantLinear.forward). With `post`,
     where the linear folds them (a mixed-bit GEMV at M = 1, `forward_residual_norm`), the
-    residual add and the next norm too: then a Normed (residual_out = y + residual)."""
+    residual add and the next norm too: then a Normed (residual_out = y + residual). A post
+    with `defer` (the decoder layer's, where its MLP may chain): a PendingOut instead."""
+    if post is not None and post.defer and not swiglu:
+        return PendingOut(linear, x, post)
     fold = getattr(linear, "forward_residual_norm", None)
     if post is not None and fold is not None:
         y = fold(x, post, swiglu)
@@ -196,8 +211,23 @@ class MLP(nn.Module):
         # a mixed-bit down projection takes (gate, up) and applies the SwiGLU itself
         self.swiglu_in_down = isinstance(self.down_proj, QuantLinear)
 
+    def forward_chained(self, p: PendingOut, norm: RMSNorm):
+        """The mixer's pending output projection, this MLP and the next norm `norm` in one
+        launch (the mixed-bit GEMVs at M = 1 on one rank, `QuantLinear.forward_tail_chain`):
+        (the residual stream after the mixer, the Normed of the MLP's output), or None."""
+        chain = getattr(self.down_proj, "forward_tail_chain", None)
+        if chain is None or not self.gate_up_proj.takes_prenorm:
+            return None
+        return chain(p.linear, self.gate_up_proj.fused, p.x, p.post, norm)
+
     def forward(self, x: torch.Tensor | PreNorm | Normed, post: NextNorm | None = None):
         """The MLP's output; with `post`, possibly the Normed of the next norm (`out_proj`)."""
+        chain = getattr(self.down_proj, "forward_mlp_chain", None)
+        if (chain is not None and post is not None and isinstance(x, Normed)
+                and self.gate_up_proj.takes_prenorm):
+            y = chain(self.gate_up_proj.fused, x, post)  # both GEMVs in one launch, or None
+            if y is not None:
+                return y
         gate_up = self.gate_up_proj(x)
         if self.swiglu_in_down:
             return out_proj(self.down_proj, gate_up, post, swiglu=True)

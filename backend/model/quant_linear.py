@@ -209,6 +209,54 @@ class QuantLinear(nn.Module):
         h, xw, ss = r
         return Normed(xw, ss, norm.eps, h)
 
+    def forward_mlp_chain(self, gate_up: QuantLinear, x: Normed, post: NextNorm) -> Normed | None:
+        """As an MLP's down projection after `gate_up` (the fused gate and up projections) on
+        a Normed x: both GEMVs and the SwiGLU, the residual add and post's norm in one launch
+        (ops-level `quant_mlp_chain`, at M = 1 on one rank); None where that does not apply
+        (the caller then runs the two projections)."""
+        if self.parallel is not None and self.tp.size > 1:  # the all-reduce comes first
+            return None
+        fast = ops._fast(x.xw, "quant")
+        if (fast is None or x.xw.shape[0] != 1 or self.qa.device != x.xw.device
+                or gate_up.qa.device != x.xw.device):
+            return None
+        r = fast.quant_mlp_chain(x.xw, x.ss[0], x.eps, gate_up._layer(), self._layer(),
+                                 post.residual, post.norm.weight)
+        if r is None:
+            return None
+        h, xw, ss = r
+        return Normed(xw, ss, post.norm.eps, h)
+
+    def forward_tail_chain(self, o_proj: nn.Module, gate_up: QuantLinear,
+                           x: torch.Tensor | GroupScaled, post: NextNorm,
+                           norm: nn.Module) -> tuple | None:
+        """As an MLP's down projection: the mixer's output projection o_proj(x) with post's
+        residual add and norm, then gate_up and this projection with the residual add and
+        `norm` (the next layer's input norm), in one launch (ops-level `quant_mlp_chain` with
+        its o_proj stage, at M = 1 on one rank): (the stream after the mixer, the Normed of
+        the MLP's output); None where that does not apply."""
+        if not isinstance(o_proj, QuantLinear) or any(
+                m.parallel is not None and m.tp.size > 1 for m in (self, o_proj, gate_up)):
+            return None
+        g = x if isinstance(x, GroupScaled) else None
+        xx = x.x if g is not None else x
+        fast = ops._fast(xx, "quant")
+        if (fast is None or xx.dim() != 2 or xx.shape[0] != 1
+                or any(m.qa.device != xx.device for m in (self, o_proj, gate_up))):
+            return None
+        r = fast.quant_mlp_chain(
+            None, None, post.norm.eps, gate_up._layer(), self._layer(), post.residual,
+            norm.weight, o_proj=(xx, None if g is None else (g.ss[0], g.eps), o_proj._layer(),
+                                 post.norm.weight))
+        if r is None:
+            return None
+        h0, h, xw, ss = r
+        return h0, Normed(xw, ss, norm.eps, h)
+
+    def _layer(self) -> tuple:
+        """(qa, qb, sz, bits, group_size): the weights as the kernels take them."""
+        return self.qa, self.qb, self.sz, self.bits, self.group_size
+
     def _finish(self, y: torch.Tensor) -> torch.Tensor | None:
         """The tensor-parallel tail: a row-parallel layer all-reduces, a vocab-parallel lm_head
         gathers on rank 0."""

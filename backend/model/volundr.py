@@ -21,7 +21,7 @@ from volundr.model.attention import Attention
 from volundr.model.batch import ForwardBatch
 from volundr.model.engram import Engram, pin, pinned_tables
 from volundr.model.kda import KDA
-from volundr.model.layers import MLP, NextNorm, Normed, PreNorm, RMSNorm
+from volundr.model.layers import MLP, NextNorm, Normed, PendingOut, PreNorm, RMSNorm
 from volundr.model.parallel import TP, ParallelLMHead
 
 
@@ -61,13 +61,27 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(h)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.kda
         src = h if isinstance(x, torch.Tensor) else x  # where the stream will be (NextNorm)
-        # its first projection takes x: it may fold the norm into its matmul
-        out = mixer(x, b, post=NextNorm(src, self.post_attention_layernorm))
+        # its first projection takes x: it may fold the norm into its matmul; its output
+        # projection may wait for the MLP's two GEMVs to run with them in one launch
+        chain = next_norm is not None and self.mlp.swiglu_in_down and _chains(h)
+        out = mixer(x, b, post=NextNorm(src, self.post_attention_layernorm, defer=chain))
+        if isinstance(out, PendingOut):
+            r = self.mlp.forward_chained(out, next_norm)
+            if r is not None:
+                return r
+            out = out.value()
         if not isinstance(x, torch.Tensor):
             h = x.residual_out
         x = out if isinstance(out, Normed) else PreNorm(out, h, self.post_attention_layernorm)
         delta = self.mlp(x, post=None if next_norm is None else NextNorm(x, next_norm))
         return x.residual_out, delta
+
+
+def _chains(like: torch.Tensor) -> bool:
+    """Whether the mixed-bit GEMVs may chain at this call: CUDA, with the kernels'
+    engine.GEMV_CHAIN on (read at call time: the decode graphs capture the choice)."""
+    fast = ops._fast(like, "quant")
+    return fast is not None and fast.GEMV_CHAIN
 
 
 def run_layers(layers: nn.ModuleList, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:

@@ -21,7 +21,7 @@ import os
 import torch
 
 from volundr.kernels.norm.engine import swiglu as swiglu_kernel
-from volundr.kernels.quant import gemm_tc, gemv_tc
+from volundr.kernels.quant import gemm_tc, gemv_chain, gemv_tc
 from volundr.kernels.quant.gemm import dequant_matmul, dequantize_t
 from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 
@@ -94,6 +94,12 @@ GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "1") == "1"
 # GEMVs' epilogue and scale cost ~0.5 us per call of the ~2 us each norm took).
 # VOLUNDR_RESIDUAL_NORM_FOLD=0 turns it off.
 RESIDUAL_NORM_FOLD = os.environ.get("VOLUNDR_RESIDUAL_NORM_FOLD", "1") == "1"
+# An MLP's gate_up and down GEMVs at M = 1 as one persistent launch (gemv_chain.py: the down
+# projection's first weights load while gate_up's last programs finish, behind a grid barrier
+# instead of a kernel boundary; gate_up reads the Normed input, down does the SwiGLU, the
+# residual add and the next norm as with RESIDUAL_NORM_FOLD). Off until measured on the H200
+# (perf/RESULTS.md, session 16: not yet run on a GPU); VOLUNDR_GEMV_CHAIN=1 turns it on.
+GEMV_CHAIN = os.environ.get("VOLUNDR_GEMV_CHAIN", "0") == "1"
 FUSED_MAX_M = 128
 
 
@@ -242,3 +248,68 @@ def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz
     # long prefill: W^T [K, N] dequantised once, then one cuBLAS matmul per input
     wt = dequantize_t(qa, qb, sz, bits, group_size, k, dtype=x.dtype)
     return torch.cat([x[:, i] @ wt[:, i * nj:(i + 1) * nj] for i in range(j)], dim=-1)
+
+
+def quant_mlp_chain(xw: torch.Tensor, ss: torch.Tensor, eps: float, up: tuple, down: tuple,
+                    residual: torch.Tensor, norm_weight: torch.Tensor,
+                    o_proj: tuple | None = None) -> tuple | None:
+    """An MLP at M = 1 in one launch (GEMV_CHAIN): gate_up = RMSNorm(h) @ Wup^T from xw = h w
+    [1, K] and its sums of squares ss [P] (what `quant_matmul_residual_norm` made), then
+    y = SwiGLU(gate_up) @ Wdown^T with the residual add and the next RMSNorm (weight
+    norm_weight) in its epilogue: (h', xw', ss') as `quant_matmul_residual_norm` returns them.
+    up, down = (qa, qb, sz, bits, group_size) of the fused gate_up and the down projection.
+
+    o_proj = (x, gscale, (qa, qb, sz, bits, group_size), w): the mixer's output projection as
+    the chain's first stage, `quant_matmul_residual_norm(x, residual, w, ..., gscale=gscale)`
+    (w: the MLP's input norm, eps its eps), whose (h, xw, ss) are then the MLP's input (xw
+    and ss as given are not used: pass None) and h the residual its down projection adds;
+    returns (h, h', xw', ss').
+
+    None where it does not apply (GEMV_CHAIN or RESIDUAL_NORM_FOLD off, gscale with
+    GATED_NORM_FOLD off, a shape, format or dtype the tensor-core GEMV does not take). One
+    kernel has one register cap: the lowest of the stages' where all have one, else none."""
+    (qa1, qb1, sz1, b1, g1), (qa2, qb2, sz2, b2, g2) = up, down
+    k, n1, n2 = residual.shape[1], qa1.shape[1], qa2.shape[1]
+    cfgs = [tc_config(b1, n1, k), tc_config(b2, n2, n1 // 2)]
+    ok = (GEMV_CHAIN and RESIDUAL_NORM_FOLD and n1 % 2 == 0 and n2 == k
+          and _takes_gemv_tc(residual, k, n1, b1, g1)
+          and _takes_gemv_tc(residual, n1 // 2, n2, b2, g2)
+          and residual.is_contiguous() and norm_weight.is_contiguous()
+          and residual.dtype == norm_weight.dtype)
+    if o_proj is not None:
+        xo, gs, (qa0, qb0, sz0, b0, g0), w0 = o_proj
+        ok = (ok and (gs is None or GATED_NORM_FOLD) and _takes_gemv_tc(xo, xo.shape[1], k, b0, g0)
+              and xo.is_contiguous() and w0.is_contiguous() and residual.shape == (1, k)
+              and w0.dtype == xo.dtype == residual.dtype)
+        cfgs.insert(0, tc_config(b0, k, xo.shape[1]))
+    else:
+        ok = (ok and xw.is_contiguous() and ss.is_contiguous() and ss.dim() == 1
+              and residual.shape == (1, n2) and xw.dtype == residual.dtype)
+    if not ok or len({c.get("num_warps", 1) for c in cfgs}) > 1:
+        return None
+    caps = [c.get("maxnreg") for c in cfgs]
+    cap = min(caps) if all(caps) else None
+    cfgs = [{k_: v for k_, v in c.items() if k_ not in ("maxnreg", "waves", "splits")}
+            for c in cfgs]
+    dt, dev = residual.dtype, residual.device
+
+    def res_out(cfg):  # h, h w and the tiles' sums of h^2 of a residual epilogue
+        return (torch.empty(1, k, dtype=dt, device=dev), torch.empty(1, k, dtype=dt, device=dev),
+                torch.empty(gemv_tc.tiles(k, cfg["reps"], cfg["num_warps"]),
+                            dtype=torch.float32, device=dev))
+
+    stages = []
+    if o_proj is not None:
+        h0, xw, ss = res_out(cfgs[0])
+        stages.append(dict(x=xo, qa=qa0, qb=qb0, sz=sz0, bits=b0, group_size=g0, out=h0,
+                           gscale=gs, residual=(residual, w0, xw, ss), maxnreg=cap, **cfgs[0]))
+        residual = h0
+    gate_up = torch.empty(1, n1, dtype=dt, device=dev)
+    h, xw2, ss2 = res_out(cfgs[-1])
+    stages.append(dict(x=xw, qa=qa1, qb=qb1, sz=sz1, bits=b1, group_size=g1, out=gate_up,
+                       rscale=(ss, eps), maxnreg=cap, **cfgs[-2]))
+    stages.append(dict(x=gate_up, qa=qa2, qb=qb2, sz=sz2, bits=b2, group_size=g2, out=h,
+                       swiglu=True, residual=(residual, norm_weight, xw2, ss2), maxnreg=cap,
+                       **cfgs[-1]))
+    gemv_chain.gemv_chain(stages)
+    return (h, xw2, ss2) if o_proj is None else (residual, h, xw2, ss2)

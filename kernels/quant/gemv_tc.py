@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
+from volundr.kernels.grid_sync import grid_wait
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 
 MAGIC = 0x43004300  # bf16x2 (128, 128): a code OR-ed into the mantissa reads 128 + q 2^o
@@ -285,22 +286,28 @@ def _xsum_ref(xsum, bsum, xps, s, j4, OFFS: tl.constexpr, NPT: tl.constexpr, NP:
 
 
 @triton.jit
-def _ld(ptr, mask, MASKED: tl.constexpr):
+def _ld(ptr, mask, MASKED: tl.constexpr, CG: tl.constexpr = False):
+    """A load, masked where MASKED; CG: past L1 (data another SM wrote in this launch)."""
+    if CG:
+        if MASKED:
+            return tl.load(ptr, mask=mask, other=0, cache_modifier=".cg")
+        return tl.load(ptr, cache_modifier=".cg")
     if MASKED:
         return tl.load(ptr, mask=mask, other=0)
     return tl.load(ptr)
 
 
 @triton.jit
-def _ldx(ptr, up_off, mask, MASKED: tl.constexpr, SWIGLU: tl.constexpr):
+def _ldx(ptr, up_off, mask, MASKED: tl.constexpr, SWIGLU: tl.constexpr,
+         CG: tl.constexpr = False):
     """An x load; SWIGLU: x = SiLU(gate) * up with up at ptr + up_off (the down projection reads
     the gate_up output directly: one SwiGLU launch less per MLP), in fp32 and rounded to x's
     dtype, as the SwiGLU kernel does. Masked elements read 0 (SiLU(0) * 0 = 0)."""
     if SWIGLU:
-        g = _ld(ptr, mask, MASKED).to(tl.float32)
-        u = _ld(ptr + up_off, mask, MASKED).to(tl.float32)
+        g = _ld(ptr, mask, MASKED, CG).to(tl.float32)
+        u = _ld(ptr + up_off, mask, MASKED, CG).to(tl.float32)
         return (g * tl.sigmoid(g) * u).to(ptr.dtype.element_ty)
-    return _ld(ptr, mask, MASKED)
+    return _ld(ptr, mask, MASKED, CG)
 
 
 @triton.jit
@@ -326,13 +333,14 @@ def _norm_prologue(x_ptr, r_ptr, w_ptr, h_ptr, xs_ptr, set0, set1, K, write, G: 
 
 
 @triton.jit
-def _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n):
+def _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n,
+                       CG: tl.constexpr = False):
     """RES, on a tile's final sums y [Q, L, 4] (rows n3): h = y rounded to x's dtype plus the
     residual r, rounded again (the unfolded path's bf16 output, then the norm kernel's add);
     x' = h w into xs (the next GEMV's x) and this tile's sum of h^2 into ss[pid_n] (the next
     GEMV adds the tiles' sums in a fixed order: no atomics, no zeroing). Returns h."""
     dt = xs_ptr.dtype.element_ty
-    r = tl.load(r_ptr + n3, mask=ymask, other=0.0).to(tl.float32)
+    r = _ld(r_ptr + n3, ymask, True, CG).to(tl.float32)
     w = tl.load(nw_ptr + n3, mask=ymask, other=0.0).to(tl.float32)
     h = (y.to(dt).to(tl.float32) + r).to(dt)
     hf = h.to(tl.float32)
@@ -398,63 +406,62 @@ def _pre_words(qa_ptr, qb_ptr, grp, n, N, mask, MASKED: tl.constexpr, BITS: tl.c
 
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
-def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
-                   N, num_groups, sets_per_split, num_splits, up_off,
-                   BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, L: tl.constexpr,
-                   Q: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
-                   SH: tl.constexpr, MSK: tl.constexpr, OFFS: tl.constexpr,
-                   ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr, ASM_PAIRS: tl.constexpr,
-                   CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
-                   ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
-                   PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
-                   SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
-                   r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
-                   NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                   EARLY_W: tl.constexpr = 0, gs_ptr=None, GSCALE: tl.constexpr = False,
-                   NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
-                   RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1):
-    """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
-    Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
-    SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
-    NORM: y = RMSNorm(x + r) W^T, with norm weight nw, and h = x + r written: RMSNorm(v) =
-    v w / rms(v) and 1 / rms(v) is one scalar, so the matmul runs on v w (staged in the scratch
-    xs) and y is scaled at the end by the sum of squares of all K (split-K: a partial per split,
-    in ss_ptr).
-    EARLY_W = e > 0 (PDL): each set's first e blocks of weight words (of NBLK) are loaded at the
-    top of the set, before `griddepcontrol.wait` (weights are never written by an earlier
-    kernel), so a program made resident while the kernel before drains has its first HBM trip
-    under way, and e blocks of loads are in flight at once; later sets wait again (a no-op).
-    GSCALE: group g's sums scaled by rsqrt(sum_i gs[g, i] / G + eps), gs [num_groups, NPART]
-    fp32 partial sums of squares: KDA's gated output norm (per head, head dim = G) folded into
-    its o_proj, x = o w sigmoid(gate) and gs written by the KDA decode kernel (a program holds
-    whole groups: nothing to combine across programs).
-    RES (the residual add and the next RMSNorm in the epilogue; with SWIGLU or GSCALE too):
-    y = h = y + r written, and x' = h nw into xs, tile pid_n's sum of h^2 into ss_ptr[pid_n].
-    RSCALE (that norm's scale, in the GEMV that reads x = xs): y scaled by
-    rsqrt(sum(rs[:n_rs]) / K + eps), rs = the producer's per-tile sums (NRS >= n_rs, a power
-    of two); read early (they come from a finished kernel), used at the end."""
+def _dep_wait(GRID_WAIT: tl.constexpr, bar_ptr, target, now):
+    """Wait for what this tile reads: PDL's wait for the kernel before, or (GRID_WAIT, in a
+    chain of GEMVs in one launch, gemv_chain.py) where `now`, until the barrier counter at
+    bar_ptr reaches target (every program of the launch has finished the stage before)."""
+    if GRID_WAIT:
+        if now:
+            grid_wait(bar_ptr, target)
+    else:
+        pdl.wait()
+
+
+@triton.jit
+def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
+          N, num_groups, sets_per_split, num_splits, up_off,
+          BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, L: tl.constexpr,
+          Q: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+          SH: tl.constexpr, MSK: tl.constexpr, OFFS: tl.constexpr,
+          ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr, ASM_PAIRS: tl.constexpr,
+          CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
+          ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
+          PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
+          SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+          r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
+          NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
+          EARLY_W: tl.constexpr = 0, gs_ptr=None, GSCALE: tl.constexpr = False,
+          NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
+          RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1,
+          GRID_WAIT: tl.constexpr = False, bar_ptr=None, bar_target=0, wait_now=True,
+          CG: tl.constexpr = False, PF_SETS: tl.constexpr = 0):
+    """Program (pid_n, pid_k) of gemv_tc_kernel (see there), the PDL trigger excepted. With
+    GRID_WAIT (a stage of a GEMV chain, gemv_chain.py) it waits, where wait_now, on the barrier
+    bar_ptr (>= bar_target) instead of PDL's wait, and CG: x, rs and the residual r, which an
+    earlier stage of the same launch may have written, are read past L1 (not coherent across
+    SMs within a launch). PF_SETS > 0: PREFETCH_L2 takes the first PF_SETS sets only."""
+    tl.static_assert(not (NORM and GRID_WAIT), "NORM's split sums index by the launch grid")
     BN: tl.constexpr = 4 * L * Q
     S: tl.constexpr = 32 // (4 if BITS == 4 else 2)  # slots per A word
     NP: tl.constexpr = S // 2  # pairs per A word
     NPT: tl.constexpr = NP  # x pair tensors per block
     NBLK: tl.constexpr = WA // 4  # blocks of 4 A rows
-    if not LATE_TRIGGER:
-        pdl.trigger()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     set0 = pid_k * sets_per_split
     set1 = tl.minimum(set0 + sets_per_split, (num_groups + 3) // 4)
     if PREFETCH_L2:  # PDL: this program's weights head for L2 while the kernel before runs
-        _prefetch_rows(qa_ptr, set0 * 4 * WA, set1 * 4 * WA, pid_n * BN, N, PF_ASM)
+        # (PF_SETS > 0: its first PF_SETS sets only)
+        pf1 = set1 if PF_SETS == 0 else tl.minimum(set1, set0 + PF_SETS)
+        _prefetch_rows(qa_ptr, set0 * 4 * WA, pf1 * 4 * WA, pid_n * BN, N, PF_ASM)
         if BITS == 3:
-            _prefetch_rows(qb_ptr, set0 * 2 * WA, set1 * 2 * WA, pid_n * BN, N, PF_ASM)
-        _prefetch_rows(sz_ptr, set0 * 4, set1 * 4, pid_n * BN, N, PF_ASM)
+            _prefetch_rows(qb_ptr, set0 * 2 * WA, pf1 * 2 * WA, pid_n * BN, N, PF_ASM)
+        _prefetch_rows(sz_ptr, set0 * 4, pf1 * 4, pid_n * BN, N, PF_ASM)
     # not with NORM (its prologue reads x before the loop) nor STAGES > 1 (the pipeliner hoists
     # the first set's loads, x's too, above the loop and so above its wait)
     PRE: tl.constexpr = (EARLY_W if EARLY_W < NBLK else NBLK) if not NORM and STAGES == 1 else 0
     EARLY: tl.constexpr = PRE > 0
     if not EARLY:
-        pdl.wait()  # x and the split-K workspace come from earlier kernels
+        # x and the split-K workspace come from earlier kernels (GRID_WAIT: earlier stages)
+        _dep_wait(GRID_WAIT, bar_ptr, bar_target, wait_now)
     c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)
     # mma B operand: lane (quad g, c) supplies column g, which must hold only group c's x
     sel = ((q4 % 8) // 2) == c4  # [4, Q, 1, 1]
@@ -465,7 +472,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     ss = 0.0
     rsv = tl.zeros([NRS], dtype=tl.float32)
     if RSCALE and not EARLY:
-        rsv = tl.load(rs_ptr + tl.arange(0, NRS), mask=tl.arange(0, NRS) < n_rs, other=0.0)
+        rsv = _ld(rs_ptr + tl.arange(0, NRS), tl.arange(0, NRS) < n_rs, True, CG)
     if NORM:
         ss = _norm_prologue(x_ptr, r_ptr, nw_ptr, h_ptr, xs_ptr, set0, set1, num_groups * G,
                             pid_n == 0, G)
@@ -491,18 +498,17 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
         pre = ()
         if EARLY:  # the first PRE blocks' words before the wait (see the docstring)
             pre = _pre_words(qa_ptr, qb_ptr, grp, n, N, wmask, not EVEN, BITS, WA, PRE)
-            pdl.wait()
+            _dep_wait(GRID_WAIT, bar_ptr, bar_target, wait_now & (st == set0))
             if RSCALE:  # (after the wait: the producer's sums; each set, harmless)
-                rsv = tl.load(rs_ptr + tl.arange(0, NRS), mask=tl.arange(0, NRS) < n_rs,
-                              other=0.0)
+                rsv = _ld(rs_ptr + tl.arange(0, NRS), tl.arange(0, NRS) < n_rs, True, CG)
         for blk in tl.static_range(NBLK):
             # x pair tensors [4, Q, 1, 4] (element = block row): one 64-bit x load per slot
             xps = ()
             for p in tl.static_range(NP):
                 xlo = _ldx(x_ptr + xo + p * WA + blk * 4, up_off, xmask, USE_ASM or not EVEN,
-                           SWIGLU)
+                           SWIGLU, CG)
                 xhi = _ldx(x_ptr + xo + (p + NP) * WA + blk * 4, up_off, xmask,
-                           USE_ASM or not EVEN, SWIGLU)
+                           USE_ASM or not EVEN, SWIGLU, CG)
                 if USE_ASM:
                     pr = tl.inline_asm_elementwise(ASM_PAIRS[OFFS[p]], "=r,=r,r,r", [xlo, xhi],
                                                    dtype=tl.int32, is_pure=True, pack=2)
@@ -552,7 +558,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             sc = sc * tl.rsqrt(ssq / G + eps)
         acc += sc * (d - (bsum + zr * xsum))
     if EARLY:  # every path waits before its stores and atomics (a no-op after the loop's)
-        pdl.wait()
+        _dep_wait(GRID_WAIT, bar_ptr, bar_target, wait_now & (set1 <= set0))
     if LATE_TRIGGER:  # the successor's programs become resident only as this one winds down
         pdl.trigger()
     y = tl.sum(acc, axis=0)  # [Q, L, 4]: the 4 groups of a set (lanes c)
@@ -577,15 +583,62 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             if RSCALE:
                 tot = tot * tl.rsqrt(ss / (num_groups * G) + eps)
             if RES:
-                tot = _residual_epilogue(tot, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
+                tot = _residual_epilogue(tot, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n,
+                                         CG)
             tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
         if NORM or RSCALE:
             y = y * tl.rsqrt(ss / (num_groups * G) + eps)
         if RES:
-            y = _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
+            y = _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n, CG)
         tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
+                   N, num_groups, sets_per_split, num_splits, up_off,
+                   BITS: tl.constexpr, G: tl.constexpr, WA: tl.constexpr, L: tl.constexpr,
+                   Q: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   SH: tl.constexpr, MSK: tl.constexpr, OFFS: tl.constexpr,
+                   ASM_STEP: tl.constexpr, ASM_XSUM: tl.constexpr, ASM_PAIRS: tl.constexpr,
+                   CONS_STEP: tl.constexpr, CONS_XSUM: tl.constexpr, XS: tl.constexpr,
+                   ASM_KEEP: tl.constexpr, EVEN: tl.constexpr,
+                   PREFETCH_L2: tl.constexpr = False, PF_ASM: tl.constexpr = "",
+                   SWIGLU: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+                   r_ptr=None, nw_ptr=None, h_ptr=None, xs_ptr=None, ss_ptr=None, eps=0.0,
+                   NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
+                   EARLY_W: tl.constexpr = 0, gs_ptr=None, GSCALE: tl.constexpr = False,
+                   NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
+                   RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1):
+    """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
+    Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
+    SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
+    NORM: y = RMSNorm(x + r) W^T, with norm weight nw, and h = x + r written: RMSNorm(v) =
+    v w / rms(v) and 1 / rms(v) is one scalar, so the matmul runs on v w (staged in the scratch
+    xs) and y is scaled at the end by the sum of squares of all K (split-K: a partial per split,
+    in ss_ptr).
+    EARLY_W = e > 0 (PDL): each set's first e blocks of weight words (of NBLK) are loaded at the
+    top of the set, before `griddepcontrol.wait` (weights are never written by an earlier
+    kernel), so a program made resident while the kernel before drains has its first HBM trip
+    under way, and e blocks of loads are in flight at once; later sets wait again (a no-op).
+    GSCALE: group g's sums scaled by rsqrt(sum_i gs[g, i] / G + eps), gs [num_groups, NPART]
+    fp32 partial sums of squares: KDA's gated output norm (per head, head dim = G) folded into
+    its o_proj, x = o w sigmoid(gate) and gs written by the KDA decode kernel (a program holds
+    whole groups: nothing to combine across programs).
+    RES (the residual add and the next RMSNorm in the epilogue; with SWIGLU or GSCALE too):
+    y = h = y + r written, and x' = h nw into xs, tile pid_n's sum of h^2 into ss_ptr[pid_n].
+    RSCALE (that norm's scale, in the GEMV that reads x = xs): y scaled by
+    rsqrt(sum(rs[:n_rs]) / K + eps), rs = the producer's per-tile sums (NRS >= n_rs, a power
+    of two); read early (they come from a finished kernel), used at the end."""
+    if not LATE_TRIGGER:
+        pdl.trigger()
+    _tile(tl.program_id(0), tl.program_id(1), x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr,
+          cnt_ptr, N, num_groups, sets_per_split, num_splits, up_off, BITS, G, WA, L, Q, SPLIT_K,
+          USE_ASM, SH, MSK, OFFS, ASM_STEP, ASM_XSUM, ASM_PAIRS, CONS_STEP, CONS_XSUM, XS,
+          ASM_KEEP, EVEN, PREFETCH_L2, PF_ASM, SWIGLU, LATE_TRIGGER, r_ptr, nw_ptr, h_ptr, xs_ptr,
+          ss_ptr, eps, NORM, STAGES, EARLY_W, gs_ptr, GSCALE, NPART, RES, rs_ptr, n_rs, RSCALE,
+          NRS)
 
 
 @functools.cache
@@ -657,6 +710,23 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     rscale = (rs [P] fp32, eps), for x = such an xs and rs = its ss: y = x @ W^T times
     rsqrt(sum(rs) / K + eps), i.e. RMSNorm(h) @ W^T: the norm's launch saved at each boundary
     between a layer's output projection and the next input projection."""
+    grid, args, kw = launch_args(x, qa, qb, sz, bits, group_size, out, reps, num_warps, waves,
+                                 splits, swiglu, maxnreg, norm, stages, early, gscale, residual,
+                                 rscale)
+    gemv_tc_kernel[grid](*args, **kw)
+    return args[4]
+
+
+def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
+                group_size: int, out: torch.Tensor | None = None, reps: int = 4,
+                num_warps: int = 1, waves: float = 8.0, splits: int | None = None,
+                swiglu: bool = False, maxnreg: int | None = None,
+                norm: tuple | None = None, stages: int = 1,
+                early: bool | int | None = None, gscale: tuple | None = None,
+                residual: tuple | None = None,
+                rscale: tuple | None = None) -> tuple[tuple, tuple, dict]:
+    """gemv_tc_kernel's (grid, positional args, keyword args) for a gemv_tc call (see
+    there); also the stages of a GEMV chain (gemv_chain.py)."""
     m, k = x.shape
     k = k // 2 if swiglu else k
     n = qa.shape[1]
@@ -706,13 +776,14 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
     prefetch = pdl.ON.value and pdl.PREFETCH and even and bn % 32 == 0 and not _interpreting()
-    gemv_tc_kernel[(n_tiles, ns)](
-        x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns, k,
-        BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
-        USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
-        PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
-        SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
-        EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
-        launch_pdl=pdl.ON.value, **nkw,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
-    return out
+    args = (x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns, k)
+    kw = dict(BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
+              USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
+              PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
+              SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
+              EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
+              launch_pdl=pdl.ON.value, **nkw,
+              **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    return (n_tiles, ns), args, kw
+
+
