@@ -222,8 +222,9 @@ def test_cuda_chain_matches_launches(bits):
 @gpu
 @pytest.mark.parametrize("bits", [2, 4])
 def test_cuda_chain_in_a_graph_and_the_model_path(bits):
-    """The engine's MLP chain captured in a CUDA graph, replayed twice with other inputs
-    (barrier and split-K counters left at zero), == eager; and the model's MLP hook."""
+    """The engine's MLP chain, twice back to back in a CUDA graph (the second launched while
+    the first runs, by PDL), replayed twice (barrier and split-K counters left at zero),
+    == eager; and the model's MLP and layer-tail hooks."""
     from volundr.kernels.quant import engine
     from volundr.kernels.quant.gemv_chain import _barriers
 
@@ -237,14 +238,14 @@ def test_cuda_chain_in_a_graph_and_the_model_path(bits):
                                              (*down, bits, 128), res, nw)
         eager = [t.clone() for t in run()]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = run()
+        with torch.cuda.graph(graph):  # two chains back to back (PDL between them)
+            outs = run() + run()
         for _ in range(2):
             for t in outs:
                 t.fill_(float("nan"))
             graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+        assert all(torch.equal(a, b) for a, b in zip(outs, eager + eager))
         assert int(_barriers(xw.device).abs().sum()) == 0
     check_mlp_module(bits, "cuda", 5120, 17408)
     for gated in (False, True):

@@ -231,9 +231,17 @@ def gemv_chain(stages: list[dict], programs: int | None = None, prefetch: int = 
     if interp:
         for i in range(len(stages)):
             gemv_chain_kernel[grid](*args, **{**kw, "ONLY": i})
-    else:
-        gemv_chain_kernel[grid](*args, **kw)
-    return [s[4] for s in args[0]]
+        return [s[4] for s in args[0]]
+    while True:
+        try:
+            gemv_chain_kernel[grid](*args, **kw)
+            return [s[4] for s in args[0]]
+        except RuntimeError as e:  # the driver counts fewer resident programs than occupancy()
+            if programs or "cooperative" not in str(e).lower() or p <= _num_sms(dev):
+                raise
+            p -= _num_sms(dev)
+            _PROGRAMS[key] = p
+            grid, (args, kw) = _launch(stages, p, prefetch, interp, coop)
 
 
 def _launch(stages: list[dict], p: int, prefetch: int, interp: bool, coop: bool) -> tuple:
