@@ -16,8 +16,15 @@ would never end: the chain runs there as one launch per stage instead.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Nanoseconds each poll of a waiting program sleeps before the next (0: none). Every resident
+# program (thousands) polls one counter: a backoff spares the L2 slice that holds it, which
+# also serves weight lines. VOLUNDR_GRID_BACKOFF_NS, read once at import; not yet measured.
+BACKOFF_NS = tl.constexpr(int(os.environ.get("VOLUNDR_GRID_BACKOFF_NS", "0")))
 
 
 @triton.jit
@@ -33,5 +40,8 @@ def grid_wait(bar_ptr, target):
     visible to this program's threads after the barrier below)."""
     c = tl.atomic_add(bar_ptr, 0, sem="acquire")
     while c < target:
+        if BACKOFF_NS > 0:
+            c = tl.inline_asm_elementwise(f"nanosleep.u32 {BACKOFF_NS}; mov.b32 $0, $1;", "=r,r",
+                                          [c], dtype=tl.int32, is_pure=False, pack=1)
         c = tl.atomic_add(bar_ptr, 0, sem="acquire")
     tl.debug_barrier()

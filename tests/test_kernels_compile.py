@@ -102,6 +102,8 @@ def chain_errors(ptxs: list[str]) -> list[str]:
     and an acquire poll per barrier, and the reads of earlier stages' outputs past L1."""
     need = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
             "atom.global.gpu.release.add", "ld.global.gpu.acquire", "ld.global.cg")
+    if os.environ.get("VOLUNDR_GRID_BACKOFF_NS", "0") != "0":  # the polls' backoff
+        need += ("nanosleep.u32",)
     if not ptxs:
         return ["gemv_chain_kernel: not compiled with PDL"]
     return [f"gemv_chain_kernel: no {n}" for ptx in ptxs for n in need if n not in ptx]
@@ -281,11 +283,13 @@ def compile_all() -> list[str]:
 def test_kernels_compile_for_sm90(pdl):
     """pdl=1: programmatic dependent launch (volundr.kernels.pdl; the default on sm_90, where
     the GEMVs trigger late and load their first weights early), here without the early loads;
-    then with the GEMVs' L2 prefetches (off by default), top trigger and early loads."""
+    then with the GEMVs' L2 prefetches (off by default), top trigger and early loads, and the
+    GEMV chain's barrier polls with a backoff."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VOLUNDR_PDL=pdl[0],
                VOLUNDR_PDL_PREFETCH="1" if "prefetch" in pdl else "0",
                VOLUNDR_PDL_TRIGGER="top" if "top" in pdl else "late",
-               VOLUNDR_PDL_EARLY="4:2,3:2,2:1" if "early" in pdl else "0")
+               VOLUNDR_PDL_EARLY="4:2,3:2,2:1" if "early" in pdl else "0",
+               VOLUNDR_GRID_BACKOFF_NS="200" if "early" in pdl else "0")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=900)
