@@ -266,8 +266,9 @@ def quant_mlp_chain(xw: torch.Tensor, ss: torch.Tensor, eps: float, up: tuple, d
     returns (h, h', xw', ss').
 
     None where it does not apply (GEMV_CHAIN or RESIDUAL_NORM_FOLD off, gscale with
-    GATED_NORM_FOLD off, a shape, format or dtype the tensor-core GEMV does not take). One
-    kernel has one register cap: the lowest of the stages' where all have one, else none."""
+    GATED_NORM_FOLD off, a shape, format or dtype the tensor-core GEMV does not take). The
+    stages keep the engine's GEMV configs (tc_config) but for their waves and register caps,
+    which gemv_chain sets for the one kernel."""
     (qa1, qb1, sz1, b1, g1), (qa2, qb2, sz2, b2, g2) = up, down
     k, n1, n2 = residual.shape[1], qa1.shape[1], qa2.shape[1]
     cfgs = [tc_config(b1, n1, k), tc_config(b2, n2, n1 // 2)]
@@ -287,10 +288,6 @@ def quant_mlp_chain(xw: torch.Tensor, ss: torch.Tensor, eps: float, up: tuple, d
               and residual.shape == (1, n2) and xw.dtype == residual.dtype)
     if not ok or len({c.get("num_warps", 1) for c in cfgs}) > 1:
         return None
-    caps = [c.get("maxnreg") for c in cfgs]
-    cap = min(caps) if all(caps) else None
-    cfgs = [{k_: v for k_, v in c.items() if k_ not in ("maxnreg", "waves", "splits")}
-            for c in cfgs]
     dt, dev = residual.dtype, residual.device
 
     def res_out(cfg):  # h, h w and the tiles' sums of h^2 of a residual epilogue
@@ -302,14 +299,13 @@ def quant_mlp_chain(xw: torch.Tensor, ss: torch.Tensor, eps: float, up: tuple, d
     if o_proj is not None:
         h0, xw, ss = res_out(cfgs[0])
         stages.append(dict(x=xo, qa=qa0, qb=qb0, sz=sz0, bits=b0, group_size=g0, out=h0,
-                           gscale=gs, residual=(residual, w0, xw, ss), maxnreg=cap, **cfgs[0]))
+                           gscale=gs, residual=(residual, w0, xw, ss), **cfgs[0]))
         residual = h0
     gate_up = torch.empty(1, n1, dtype=dt, device=dev)
     h, xw2, ss2 = res_out(cfgs[-1])
     stages.append(dict(x=xw, qa=qa1, qb=qb1, sz=sz1, bits=b1, group_size=g1, out=gate_up,
-                       rscale=(ss, eps), maxnreg=cap, **cfgs[-2]))
+                       rscale=(ss, eps), **cfgs[-2]))
     stages.append(dict(x=gate_up, qa=qa2, qb=qb2, sz=sz2, bits=b2, group_size=g2, out=h,
-                       swiglu=True, residual=(residual, norm_weight, xw2, ss2), maxnreg=cap,
-                       **cfgs[-1]))
+                       swiglu=True, residual=(residual, norm_weight, xw2, ss2), **cfgs[-1]))
     gemv_chain.gemv_chain(stages)
     return (h, xw2, ss2) if o_proj is None else (residual, h, xw2, ss2)

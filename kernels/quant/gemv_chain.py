@@ -192,22 +192,25 @@ def gemv_chain(stages: list[dict], programs: int | None = None, prefetch: int = 
     stages: 1..MAX_STAGES keyword dicts of gemv_tc (x, qa, qb, sz, bits, group_size, and out,
     reps, swiglu, gscale, residual, rscale, early, maxnreg as there); a later stage's x (or
     residual / rscale tensors) may be an earlier stage's output, which must then be given as
-    its `out`. One num_warps and maxnreg for all (one kernel). NORM and pipelined stages are
-    not taken. programs: P (default: as many as can be resident at once; a stage's split-K is
-    set so that its items are about P). prefetch: each item's first `prefetch` sets of
-    weights (-1: all of them) go to L2 before it waits (prefetch instructions; stages whose
-    tiles are whole). early: blocks of weight words each set loads before its wait in stages
-    after the first, where the stage does not say (gemv_tc's `early`; the first stage keeps
-    gemv_tc's default, as it waits for the kernel before). cooperative: None = COOPERATIVE."""
+    its `out`. One num_warps for all; one kernel has one register cap: the lowest of the
+    stages' maxnreg where every stage has one, else none. NORM and pipelined stages are not
+    taken. programs: P (default: as many as can be resident at once; a stage's waves are
+    ignored: its split-K is set so that its items are about P, unless it gives `splits`).
+    prefetch: each item's first `prefetch` sets of weights (-1: all of them) go to L2 before
+    it waits (prefetch instructions; stages whose tiles are whole). early: blocks of weight
+    words each set loads before its wait in stages after the first, where the stage does not
+    say (gemv_tc's `early`; the first stage keeps gemv_tc's default, as it waits for the
+    kernel before). cooperative: None = COOPERATIVE."""
     assert 1 <= len(stages) <= MAX_STAGES, len(stages)
     x0 = stages[0]["x"]
     dev = x0.device
     num_warps = stages[0].get("num_warps", 1)
-    maxnreg = stages[0].get("maxnreg")
-    assert all(s.get("num_warps", 1) == num_warps and s.get("maxnreg") == maxnreg
-               and s.get("norm") is None and s.get("stages", 1) == 1 for s in stages), \
-        "one num_warps and maxnreg; no norm, no pipelined stages"
-    stages = [s if i == 0 or "early" in s else {**s, "early": early}
+    assert all(s.get("num_warps", 1) == num_warps and s.get("norm") is None
+               and s.get("stages", 1) == 1 for s in stages), \
+        "one num_warps; no norm, no pipelined stages"
+    caps = [s.get("maxnreg") for s in stages]
+    maxnreg = min(caps) if all(caps) else None
+    stages = [{**s, "maxnreg": maxnreg, **({} if i == 0 or "early" in s else {"early": early})}
               for i, s in enumerate(stages)]
     coop = COOPERATIVE if cooperative is None else cooperative
     interp = gemv_tc._interpreting()
@@ -256,7 +259,6 @@ def _launch(stages: list[dict], p: int, prefetch: int, interp: bool, coop: bool)
         grid, args, lkw = gemv_tc.launch_args(s["x"], s["qa"], s["qb"], s["sz"], s["bits"],
                                               s["group_size"], **kw)
         n_tiles, ns = grid
-        assert n_tiles == gemv_tc.tiles(args[7], reps, nw)
         if prefetch and not interp and lkw["EVEN"]:
             bn = 4 * reps * 8 * nw
             lkw.update(PREFETCH_L2=True, PF_ASM=pdl.prefetch_l2_asm(4 * bn),

@@ -58,18 +58,6 @@ def _mlp_args(layers, bits_up, bits_down, d, c, io):
                  out=h, swiglu=True, residual=(res, nw, xw2, ss2), **cfg_d))
 
 
-def _strip(stage: dict, cap) -> dict:
-    """A stage of one chain kernel: its own waves/splits dropped (the chain sets them from P),
-    one register cap."""
-    s = {k: v for k, v in stage.items() if k not in ("waves", "splits", "maxnreg")}
-    return {**s, "maxnreg": cap}
-
-
-def _cap(stages) -> int | None:
-    caps = [s.get("maxnreg") for s in stages]
-    return min(caps) if all(caps) else None
-
-
 def bench(bits: int, kind: str, d: int, f: int, copies: int, smoke: bool, programs: list,
           copy_gbs: float) -> list[dict]:
     from volundr.kernels.quant.gemv_tc import gemv_tc
@@ -116,10 +104,8 @@ def bench(bits: int, kind: str, d: int, f: int, copies: int, smoke: bool, progra
             gemv_tc(s.pop("x"), s.pop("qa"), s.pop("qb"), s.pop("sz"), s.pop("bits"),
                     s.pop("group_size"), **s)
 
-    def chain(c, **kw):
-        st = stages(c)
-        cap = _cap(st)
-        gemv_chain([_strip(s, cap) for s in st], **kw)
+    def chain(c, **kw):  # (gemv_chain sets the waves and the one register cap)
+        gemv_chain(stages(c), **kw)
 
     nbytes = sum(layer_bytes(lay) for lay in layers[0] if lay is not None)
     out = io[0][-3]  # the last stage's h
