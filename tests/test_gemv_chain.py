@@ -138,6 +138,8 @@ def check_mlp_module(bits: int, device: str, d: int = 256, f: int = 256) -> None
             assert isinstance(y, Normed) and spy.call_count == int(chained), (chained, bits)
             outs.append(y)
     a, b = outs
+    # ss [1, P] as the launches make it, so that the next input projection folds the scale
+    assert a.ss.shape == b.ss.shape, (a.ss.shape, b.ss.shape)
     for t, u in ((a.residual_out, b.residual_out), (a.value(), b.value())):
         assert ((t.double() - u.double()).norm() / u.double().norm()).item() < 2e-2, bits
 
@@ -169,6 +171,7 @@ def check_tail_module(bits: int, device: str, gated: bool, d: int = 256, f: int 
         assert isinstance(mid, Normed)
         with mock.patch.object(engine, "GEMV_CHAIN", False):
             ref = mlp(mid, post=NextNorm(mid, norms[1]))
+    assert y.ss.shape == ref.ss.shape, (y.ss.shape, ref.ss.shape)
     for t, r in ((h0, mid.residual_out), (y.residual_out, ref.residual_out),
                  (y.value(), ref.value())):
         assert ((t.double() - r.double()).norm() / r.double().norm()).item() < 2e-2, bits

@@ -131,6 +131,10 @@ PHASED_CFGS = [("desc", dict(block_m=16, block_n=8)), ("desc", dict(block_m=32, 
 # max(ceil(ctx / num_splits) rounded up to block_n, min_split) tokens: some sequences get fewer
 # (non-empty) splits than num_splits.
 DECODE_CASES = [([9, 1, 37, 16], [1, 1, 1, 1]), ([70, 5, 33], [1, 0, 1])]
+# the split kernel as by default (early_idx), its table entries in order, only a tile ahead;
+# every KV head in one program
+DECODE_VARIANTS = [{}, dict(early_idx=False), dict(early_idx=False, bt_ahead=True),
+                   dict(all_heads=True)]
 
 
 def _seed() -> int:
@@ -166,10 +170,11 @@ def run_cpu(group: str) -> None:
                 for ns in (None, 1, 3):
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
                                     num_splits=ns, block_n=8, min_split=8)
-                # block-table entries a tile ahead; every KV head in one program
-                for variant in ("bt_ahead", "early_idx", "all_heads"):
+                # (default early_idx) the table entries in order / only a tile ahead; every
+                # KV head in one program
+                for variant in DECODE_VARIANTS[1:]:
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
-                                    num_splits=3, block_n=8, min_split=8, **{variant: True})
+                                    num_splits=3, block_n=8, min_split=8, **variant)
                 check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
                                 num_splits=1, block_n=8, all_heads=True)
             check_attention([1, 1], [50, 3], 4, 2, 16, 4, dtype, "cpu", _seed(), decode=True,
@@ -241,13 +246,12 @@ def test_cuda_prefill_via_engine_with_new_kv():
 @gpu
 @pytest.mark.parametrize("ctx_lens", [[1], [17, 4096, 33000, 250], [70000], [5] * 16])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-@pytest.mark.parametrize("variant", ["", "bt_ahead", "early_idx", "all_heads"])
+@pytest.mark.parametrize("variant", range(len(DECODE_VARIANTS)))
 def test_cuda_decode(ctx_lens, num_splits, variant):
-    """variant: the split kernel's block-table entries one tile ahead / indices before the
-    PDL wait (decode.py's BT_AHEAD / EARLY_IDX) / every KV head in one program."""
+    """DECODE_VARIANTS[variant]: the default split kernel (indices before the PDL wait, table
+    entries a tile ahead) / entries in order / only ahead / every KV head in one program."""
     check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
-                    _seed(), decode=True, num_splits=num_splits,
-                    **({variant: True} if variant else {}))
+                    _seed(), decode=True, num_splits=num_splits, **DECODE_VARIANTS[variant])
 
 
 @gpu

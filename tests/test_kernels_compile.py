@@ -156,10 +156,11 @@ def compile_all() -> list[str]:
         ctx = torch.tensor([60] * n, dtype=torch.int32)
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
-        if max(lens) == 1:  # the split kernel's block-table entries a tile ahead / early
-            for variant in ("bt_ahead", "early_idx"):
+        if max(lens) == 1:  # the split kernel's table entries in order / only a tile ahead
+            for variant in (dict(early_idx=False, num_stages=5),
+                            dict(early_idx=False, bt_ahead=True)):
                 decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192,
-                                              **{variant: True})
+                                              **variant)
             # every KV head in one program, at perf/kernels/bench_attention.py's configs
             for bn, stages in ((32, 4), (16, 6)):
                 decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192,

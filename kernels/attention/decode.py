@@ -4,9 +4,9 @@ Kernel 1 splits every sequence's KV length into `num_splits` chunks; program (n,
 reads each K/V row of its chunk once and uses it for all GROUP query heads of that KV head: the
 group is the M dimension of the two tl.dot's (padded to G_PAD >= 16). It writes the chunk's
 normalised partial output and its log-sum-exp. Kernel 2 merges the chunks per (n, head). With one
-split, kernel 1 writes the final output directly and kernel 2 is skipped. Opt-in variants of
-kernel 1, not yet measured on a GPU: block-table entries a tile ahead (bt_ahead, early_idx) and
-every KV head in one program (all_heads, _decode_split_heads_kernel).
+split, kernel 1 writes the final output directly and kernel 2 is skipped. Variants of kernel 1
+(H200 run 66): the block-table entries a tile ahead (early_idx, on by default; bt_ahead) and
+every KV head in one program (all_heads, _decode_split_heads_kernel: slower, off).
 
 The split count depends only on host ints (batch size, max_context_len, SM count), never on
 device values, so the path does no host sync and is CUDA-graph capturable. Each sequence cuts
@@ -236,26 +236,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, max_context_len: int,
                            num_splits: int | None = None, block_n: int = 64,
-                           num_warps: int = 4, num_stages: int = 5,
+                           num_warps: int = 4, num_stages: int = 3,
                            programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
-                           bt_ahead: bool = False, early_idx: bool = False,
+                           bt_ahead: bool = False, early_idx: bool = True,
                            all_heads: bool = False) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
     q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
     cu_seqlens_q [N + 1]; context_lens [N] (including the new token, already stored).
     The K/V address depends on a block-table load, so Triton's pipeliner spends stages on that
-    indirection: num_stages=3 leaves one K/V buffer (no overlap), 5 gives two (78 KiB of shared
-    memory, two programs per SM). Defaults: the best of a sweep on an H200 (perf/RESULTS.md).
-    bt_ahead / early_idx: the split kernel's BT_AHEAD / EARLY_IDX, off until measured on a GPU
-    (perf/kernels/bench_attention.py's +ahead / +early configs): they take the table loads off
-    the K/V loads' path. At batch 1 and 32K context this kernel takes ~17.7 us where loading
-    the same K/V on its grid through the table takes ~10.9 us (perf/kernels/diag_decode_floor.py,
-    H200 runs 63-64; the blocks' order does not change it).
-    all_heads (KVH a power of 2; off until measured): one program per (sequence, split) for
-    every KV head (_decode_split_heads_kernel), the splits counted as for one KV head. Loading
-    whole rows that way streamed 32K at 0.76 of copy instead of 0.72, 4K at 0.24 instead of
-    0.15 (run 64's floors).
+    indirection: without early_idx, num_stages=3 leaves one K/V buffer (no overlap) and 5 is
+    best; early_idx (the split's cu, ctx and first table entries before the PDL wait, then each
+    tile's entries one tile ahead) takes the table loads off the K/V loads' path, and then 3
+    stages beat every other count (H200 run 66, perf/RESULTS.md session 17: batch 1 0.47 /
+    0.75 / 0.84 of copy at 32K / 128K / 256K against 0.45 / 0.72 / 0.82 for 5 stages without;
+    5 stages with it 0.33 / 0.51 / 0.59). bt_ahead: only the entries ahead (same speed at 3
+    stages). At batch 1 and 32K this kernel takes ~17 us where loading the same K/V on its
+    grid through the table takes ~10.9 us (perf/kernels/diag_decode_floor.py, runs 63-64).
+    all_heads (KVH a power of 2): one program per (sequence, split) for every KV head
+    (_decode_split_heads_kernel), the splits counted as for one KV head. Its load floor was
+    higher (0.76 of copy at 32K instead of 0.72, run 64), the kernel slower: 0.25-0.34 at 32K
+    batch 1, 0.38-0.54 at batch 16 (run 66), so off.
     """
     T, H, D = q.shape
     N = block_tables.shape[0]

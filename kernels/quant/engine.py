@@ -290,17 +290,19 @@ def quant_mlp_chain(xw: torch.Tensor, ss: torch.Tensor, eps: float, up: tuple, d
         return None
     dt, dev = residual.dtype, residual.device
 
-    def res_out(cfg):  # h, h w and the tiles' sums of h^2 of a residual epilogue
+    def res_out(cfg):  # h, h w and the tiles' sums of h^2 [1, P] of a residual epilogue
+        # (ss [1, P] as quant_matmul_residual_norm makes it: the next input projection folds
+        # the scale from ss[0]; a 1-D ss made it fall back to the norm in torch, run 66)
         return (torch.empty(1, k, dtype=dt, device=dev), torch.empty(1, k, dtype=dt, device=dev),
-                torch.empty(gemv_tc.tiles(k, cfg["reps"], cfg["num_warps"]),
+                torch.empty(1, gemv_tc.tiles(k, cfg["reps"], cfg["num_warps"]),
                             dtype=torch.float32, device=dev))
 
     stages = []
     if o_proj is not None:
-        h0, xw, ss = res_out(cfgs[0])
+        h0, xw, ss0 = res_out(cfgs[0])
         stages.append(dict(x=xo, qa=qa0, qb=qb0, sz=sz0, bits=b0, group_size=g0, out=h0,
-                           gscale=gs, residual=(residual, w0, xw, ss), **cfgs[0]))
-        residual = h0
+                           gscale=gs, residual=(residual, w0, xw, ss0), **cfgs[0]))
+        residual, ss = h0, ss0[0]
     gate_up = torch.empty(1, n1, dtype=dt, device=dev)
     h, xw2, ss2 = res_out(cfgs[-1])
     stages.append(dict(x=xw, qa=qa1, qb=qb1, sz=sz1, bits=b1, group_size=g1, out=gate_up,

@@ -92,34 +92,33 @@ def decode_inputs(B: int, L: int, R: int):
     return q, kc, vc, bts, cu, ctx
 
 
-# name: kwargs; "o" = programs_per_sm, the residency the split count is sized for
-DECODE_CFGS = {
-    "n64_w4_s7_o2": dict(block_n=64, num_warps=4, num_stages=7, programs_per_sm=2),
-    "n64_w4_s5_o2": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2),
-    "n32_w4_s8_o3": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3),
-    "n128_w8_s5_o1": dict(block_n=128, num_warps=8, num_stages=5, programs_per_sm=1),
-    "n64_w4_s3_o2": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2),
-    # +ahead: block-table entries one tile ahead; +early: cu, ctx, first entries before the wait
-    "n64_w4_s5_o2+ahead": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2,
-                               bt_ahead=True),
-    "n64_w4_s5_o2+early": dict(block_n=64, num_warps=4, num_stages=5, programs_per_sm=2,
-                               early_idx=True),
-    "n64_w4_s3_o2+early": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2,
-                               early_idx=True),
-    "n32_w4_s8_o3+early": dict(block_n=32, num_warps=4, num_stages=8, programs_per_sm=3,
-                               early_idx=True),
-    # every KV head in one program (all_heads; sm_90 compile: 137 / 136 / 154 registers, 96 /
-    # 80 / 128 KiB of shared memory), splits of >= 128 tokens
-    "heads_n32_w8_s4_o2": dict(block_n=32, num_warps=8, num_stages=4, programs_per_sm=2,
-                               min_split=128, all_heads=True),
-    "heads_n16_w8_s6_o2": dict(block_n=16, num_warps=8, num_stages=6, programs_per_sm=2,
-                               min_split=128, all_heads=True),
-    "heads_n32_w8_s5_o1": dict(block_n=32, num_warps=8, num_stages=5, programs_per_sm=1,
-                               min_split=128, all_heads=True),
-}
+def decode_cfg(name: str) -> dict:
+    """paged_decode_attention's kwargs from a name [heads_]nB_wW_sS_oO[+ahead][+early]: block_n,
+    warps, stages, "o" = programs_per_sm (the residency the split count is sized for)."""
+    base, *flags = name.split("+")
+    heads = base.startswith("heads_")
+    n, w, s, o = (int(f[1:]) for f in base.removeprefix("heads_").split("_"))
+    cfg = dict(block_n=n, num_warps=w, num_stages=s, programs_per_sm=o, bt_ahead=False,
+               early_idx=False)
+    if heads:
+        cfg.update(min_split=128, all_heads=True)
+    cfg.update({dict(ahead="bt_ahead", early="early_idx")[f]: True for f in flags})
+    return cfg
+
+
+# decode configs by name (decode_cfg): +ahead = block-table entries one tile ahead, +early =
+# that and cu, ctx, the first entries before the PDL wait (the kernel's default since run 66);
+# heads_ = every KV head in one program (all_heads; sm_90 compile: 137 / 136 / 154 registers,
+# 96 / 80 / 128 KiB of shared memory), splits of >= 128 tokens. Any other name of that form
+# also works with --decode-cfgs.
+DECODE_CFGS = {n: decode_cfg(n) for n in (
+    "n64_w4_s3_o2+early", "n64_w4_s7_o2", "n64_w4_s5_o2", "n32_w4_s8_o3", "n128_w8_s5_o1",
+    "n64_w4_s3_o2", "n64_w4_s5_o2+ahead", "n64_w4_s5_o2+early", "n64_w4_s3_o2+ahead",
+    "n64_w4_s4_o2+early", "n32_w4_s8_o3+early", "heads_n32_w8_s4_o2", "heads_n16_w8_s6_o2",
+    "heads_n32_w8_s5_o1")}
 
 # = the engine's defaults (prefill: volundr.kernels.attention.prefill.IMPL / CONFIGS)
-DEFAULT_DECODE, DEFAULT_PREFILL = "n64_w4_s5_o2", "desc_m128_n128_w8_s3"
+DEFAULT_DECODE, DEFAULT_PREFILL = "n64_w4_s3_o2+early", "desc_m128_n128_w8_s3"
 
 
 def _decode_calls(q, kc, vc, bts, cu, ctx, L, kw, fence=None):
@@ -232,7 +231,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time every config, not only defaults")
     ap.add_argument("--prefill-only", action="store_true", help="prefill only (no norms, decode)")
     ap.add_argument("--decode-only", action="store_true", help="decode only (no norms, prefill)")
-    ap.add_argument("--decode-cfgs", default="", help="comma-separated DECODE_CFGS names")
+    ap.add_argument("--decode-cfgs", default="", help="comma-separated config names (decode_cfg)")
     ap.add_argument("--fenced", action="store_true",
                     help="decode: also each config with a non-PDL kernel between calls")
     ap.add_argument("--prefix", type=int, default=0,
@@ -244,7 +243,7 @@ def main():
     torch.manual_seed(0)
     dcfg = DECODE_CFGS if a.sweep else {DEFAULT_DECODE: DECODE_CFGS[DEFAULT_DECODE]}
     if a.decode_cfgs:
-        dcfg = {n: DECODE_CFGS[n] for n in a.decode_cfgs.split(",")}
+        dcfg = {n: decode_cfg(n) for n in a.decode_cfgs.split(",")}
     pcfg = PREFILL_CFGS if a.sweep else {DEFAULT_PREFILL: PREFILL_CFGS[DEFAULT_PREFILL]}
     bw = 0.0 if a.prefill_only else copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.3f} TB/s (read + write)", flush=True)
