@@ -5,7 +5,7 @@ reads each K/V row of its chunk once and uses it for all GROUP query heads of th
 group is the M dimension of the two tl.dot's (padded to G_PAD >= 16). It writes the chunk's
 normalised partial output and its log-sum-exp. Kernel 2 merges the chunks per (n, head). With one
 split, kernel 1 writes the final output directly and kernel 2 is skipped. Variants of kernel 1
-(H200 run 66): the block-table entries a tile ahead (early_idx, on by default; bt_ahead) and
+(H200 runs 67-69): the block-table entries a tile ahead (early_idx, on by default; bt_ahead) and
 every KV head in one program (all_heads, _decode_split_heads_kernel: slower, off).
 
 The split count depends only on host ints (batch size, max_context_len, SM count), never on
@@ -248,7 +248,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     indirection: without early_idx, num_stages=3 leaves one K/V buffer (no overlap) and 5 is
     best; early_idx (the split's cu, ctx and first table entries before the PDL wait, then each
     tile's entries one tile ahead) takes the table loads off the K/V loads' path, and then 3
-    stages beat every other count (H200 run 66, perf/RESULTS.md session 17: batch 1 0.47 /
+    stages beat every other count (H200 runs 67-69, perf/RESULTS.md session 17: batch 1 0.47 /
     0.75 / 0.84 of copy at 32K / 128K / 256K against 0.45 / 0.72 / 0.82 for 5 stages without;
     5 stages with it 0.33 / 0.51 / 0.59). bt_ahead: only the entries ahead (same speed at 3
     stages). At batch 1 and 32K this kernel takes ~17 us where loading the same K/V on its
@@ -256,7 +256,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     all_heads (KVH a power of 2): one program per (sequence, split) for every KV head
     (_decode_split_heads_kernel), the splits counted as for one KV head. Its load floor was
     higher (0.76 of copy at 32K instead of 0.72, run 64), the kernel slower: 0.25-0.34 at 32K
-    batch 1, 0.38-0.54 at batch 16 (run 66), so off.
+    batch 1, 0.38-0.54 at batch 16 (run 67), so off.
     """
     T, H, D = q.shape
     N = block_tables.shape[0]

@@ -107,7 +107,7 @@ def decode_cfg(name: str) -> dict:
 
 
 # decode configs by name (decode_cfg): +ahead = block-table entries one tile ahead, +early =
-# that and cu, ctx, the first entries before the PDL wait (the kernel's default since run 66);
+# that and cu, ctx, the first entries before the PDL wait (the kernel's default since run 69);
 # heads_ = every KV head in one program (all_heads; sm_90 compile: 137 / 136 / 154 registers,
 # 96 / 80 / 128 KiB of shared memory), splits of >= 128 tokens. Any other name of that form
 # also works with --decode-cfgs.
