@@ -241,6 +241,9 @@ def compile_all() -> list[str]:
                               splits=1, stages=2)
         quant.gemm_tc.gemm_tc(torch.randn(16, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
                               splits=1, stages=2)
+        # the words and scales through TMA descriptors (the fragment layout check below)
+        quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=2,
+                              stages=2, tma=True)
         # whole sets of weights before the PDL wait
         quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, reps=1,
                               splits=1, early=4)

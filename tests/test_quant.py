@@ -404,6 +404,9 @@ def run_cpu(group: str) -> None:
             check_tc(128, 1024, bits, 128, "cpu", _seed(), reps=4)  # EVEN, split-K
             check_tc(64, 640, bits, 128, "cpu", _seed(), reps=1, num_warps=2)  # 5 groups
             check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, stages=2)  # 3 sets
+            # the words and scales through TMA descriptors (5-D views): pipelined, split-K
+            check_tc(128, 1536, bits, 128, "cpu", _seed(), reps=2, splits=1, stages=2, tma=True)
+            check_tc(64, 1024, bits, 128, "cpu", _seed(), reps=1, splits=2, tma=True)
             # each set's first block of words loaded before the PDL wait (VOLUNDR_PDL_EARLY):
             # several sets per program, a ragged N and last set, G = 64
             check_tc(64, 1536, bits, 128, "cpu", _seed(), reps=1, splits=1, early=True)
@@ -937,6 +940,18 @@ def test_cuda_gemv_tc_pipelined_sets(bits):
         for stages, splits in ((2, 2), (3, 1), (2, None)):
             check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=2, stages=stages,
                      splits=splits)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_cuda_gemv_tc_tma(bits):
+    """gemv_tc with the words and scales brought by TMA (tma_descs' 5-D views, whose boxes land
+    in the mma fragment's order): == naive at Volundr-32B shapes, pipelined and not, split-K
+    and one split, two tile heights."""
+    for n, k in ((17408, 5120), (5120, 17408), (15680, 5120)):
+        for reps, stages, splits in ((2, 2, None), (1, 3, 1), (2, 1, 2)):
+            check_tc(n, k, bits, 128, "cuda", _seed(), tol=1e-3, reps=reps, stages=stages,
+                     splits=splits, tma=True)
 
 
 @gpu

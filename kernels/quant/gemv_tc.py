@@ -404,6 +404,21 @@ def _pre_words(qa_ptr, qb_ptr, grp, n, N, mask, MASKED: tl.constexpr, BITS: tl.c
     return pre
 
 
+@triton.jit
+def _tma_words(desc, r, g0, pid_n, L: tl.constexpr):
+    """TMA: row r of groups g0 .. g0 + 3 of a plane, tile pid_n's columns, as the fragment
+    tensor [4, Q, L, 4] (see `tma_descs`: the box [1, L, Q, 4, 4] is already in the layout's
+    order, lane = 4 q + c, registers (l, j), so the permute is a relabelling)."""
+    w = desc.load([r, pid_n * L, 0, g0, 0])
+    return tl.permute(tl.reshape(w, w.shape[1:]), (2, 1, 0, 3))
+
+
+@triton.jit
+def _tma_scales(desc, g0, pid_n, L: tl.constexpr):
+    """TMA: the scale / zero words of groups g0 .. g0 + 3, tile pid_n, as [4, Q, L, 4]."""
+    return tl.permute(desc.load([pid_n * L, 0, g0, 0]), (2, 1, 0, 3))
+
+
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
 def _dep_wait(GRID_WAIT: tl.constexpr, bar_ptr, target, now):
@@ -434,7 +449,8 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
           NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
           RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1,
           GRID_WAIT: tl.constexpr = False, bar_ptr=None, bar_target=0, wait_now=True,
-          CG: tl.constexpr = False, PF_SETS: tl.constexpr = 0):
+          CG: tl.constexpr = False, PF_SETS: tl.constexpr = 0, TMA: tl.constexpr = False,
+          qa_desc=None, qb_desc=None, sz_desc=None):
     """Program (pid_n, pid_k) of gemv_tc_kernel (see there), the PDL trigger excepted. With
     GRID_WAIT (a stage of a GEMV chain, gemv_chain.py) it waits, where wait_now, on the barrier
     bar_ptr (>= bar_target) instead of PDL's wait, and CG: x, rs and the residual r, which an
@@ -525,6 +541,12 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                         words = (pre[2 * (blk * 4 + s)], pre[2 * (blk * 4 + s) + 1])
                     else:
                         words = (pre[blk * 4 + s],)
+                elif TMA:  # (EVEN only) the words come through shared memory
+                    w0 = _tma_words(qa_desc, r, st * 4, pid_n, L)
+                    if BITS == 3:
+                        words = (w0, _tma_words(qb_desc, r % (WA // 2), st * 4, pid_n, L))
+                    else:
+                        words = (w0,)
                 else:
                     w0 = _ld(qa_ptr + (grp * WA + r) * N + n, wmask, not EVEN)
                     if BITS == 3:
@@ -547,7 +569,10 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             xsum = tl.sum(tl.where(j4 == 0, xb, 0.0), axis=3, keep_dims=True)
             bsum = tl.sum(tl.where(j4 == 1, xb, 0.0), axis=3, keep_dims=True)
         # loaded after the steps in program order: ptxas hoists it as far as registers allow
-        szw = _ld(sz_ptr + grp * N + n, wmask, not EVEN)
+        if TMA:
+            szw = _tma_scales(sz_desc, st * 4, pid_n, L)
+        else:
+            szw = _ld(sz_ptr + grp * N + n, wmask, not EVEN)
         sc = (szw << 16).to(tl.float32, bitcast=True)
         zr = (szw & -65536).to(tl.float32, bitcast=True)
         # d = B + sum q x over the lane's group; masked groups: s = 0
@@ -610,7 +635,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    NORM: tl.constexpr = False, STAGES: tl.constexpr = 1,
                    EARLY_W: tl.constexpr = 0, gs_ptr=None, GSCALE: tl.constexpr = False,
                    NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
-                   RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1):
+                   RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1,
+                   TMA: tl.constexpr = False, qa_desc=None, qb_desc=None, sz_desc=None):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -630,7 +656,10 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     y = h = y + r written, and x' = h nw into xs, tile pid_n's sum of h^2 into ss_ptr[pid_n].
     RSCALE (that norm's scale, in the GEMV that reads x = xs): y scaled by
     rsqrt(sum(rs[:n_rs]) / K + eps), rs = the producer's per-tile sums (NRS >= n_rs, a power
-    of two); read early (they come from a finished kernel), used at the end."""
+    of two); read early (they come from a finished kernel), used at the end.
+    TMA (EVEN only): the weight words and scales come through host tensor descriptors
+    (`tma_descs`: 5-D / 4-D views whose boxes arrive in the fragment's order), with STAGES > 1
+    pipelined through shared memory by the TMA unit."""
     if not LATE_TRIGGER:
         pdl.trigger()
     _tile(tl.program_id(0), tl.program_id(1), x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr,
@@ -638,7 +667,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
           USE_ASM, SH, MSK, OFFS, ASM_STEP, ASM_XSUM, ASM_PAIRS, CONS_STEP, CONS_XSUM, XS,
           ASM_KEEP, EVEN, PREFETCH_L2, PF_ASM, SWIGLU, LATE_TRIGGER, r_ptr, nw_ptr, h_ptr, xs_ptr,
           ss_ptr, eps, NORM, STAGES, EARLY_W, gs_ptr, GSCALE, NPART, RES, rs_ptr, n_rs, RSCALE,
-          NRS)
+          NRS, TMA=TMA, qa_desc=qa_desc, qb_desc=qb_desc, sz_desc=sz_desc)
 
 
 @functools.cache
@@ -681,7 +710,8 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             swiglu: bool = False, maxnreg: int | None = None,
             norm: tuple | None = None, stages: int = 1,
             early: bool | int | None = None, gscale: tuple | None = None,
-            residual: tuple | None = None, rscale: tuple | None = None) -> torch.Tensor:
+            residual: tuple | None = None, rscale: tuple | None = None,
+            tma: bool = False) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -709,10 +739,15 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     neither: y = h = y + r (bf16 out), xs = h nw (bf16) and ss[t] = tile t's sum of h^2.
     rscale = (rs [P] fp32, eps), for x = such an xs and rs = its ss: y = x @ W^T times
     rsqrt(sum(rs) / K + eps), i.e. RMSNorm(h) @ W^T: the norm's launch saved at each boundary
-    between a layer's output projection and the next input projection."""
+    between a layer's output projection and the next input projection.
+    tma (one warp, N a multiple of the tile, K of 4 groups; with stages > 1): the words, scales
+    loaded by the TMA unit through shared memory (host tensor descriptors, cached per weight):
+    bytes in flight without registers or per-lane load instructions held for them. On an H100
+    (run 71, perf/RESULTS.md session 18) 1.2-1.6x slower than the default at every engine
+    shape, best at stages 2 (deeper pipelines leave fewer one-warp programs per SM): opt-in."""
     grid, args, kw = launch_args(x, qa, qb, sz, bits, group_size, out, reps, num_warps, waves,
                                  splits, swiglu, maxnreg, norm, stages, early, gscale, residual,
-                                 rscale)
+                                 rscale, tma)
     gemv_tc_kernel[grid](*args, **kw)
     return args[4]
 
@@ -724,7 +759,7 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
                 norm: tuple | None = None, stages: int = 1,
                 early: bool | int | None = None, gscale: tuple | None = None,
                 residual: tuple | None = None,
-                rscale: tuple | None = None) -> tuple[tuple, tuple, dict]:
+                rscale: tuple | None = None, tma: bool = False) -> tuple[tuple, tuple, dict]:
     """gemv_tc_kernel's (grid, positional args, keyword args) for a gemv_tc call (see
     there); also the stages of a GEMV chain (gemv_chain.py)."""
     m, k = x.shape
@@ -784,6 +819,38 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
               EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
               launch_pdl=pdl.ON.value, **nkw,
               **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    if tma:
+        assert even and num_warps == 1, "tma: one warp, N a multiple of the tile, K of 4 groups"
+        kw.update(TMA=True, **tma_descs(qa, qb, sz, bits, wa, reps, q))
     return (n_tiles, ns), args, kw
+
+
+_DESCS: dict = {}
+
+
+def tma_descs(qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int, wa: int,
+              reps: int, q: int) -> dict:
+    """Host tensor descriptors of a weight for the TMA path, cached by address. A plane
+    [groups * R, N] is viewed 5-D as (r, l, q, c, j) = word (c R + r, 4 (Q l + q) + j), box
+    [1, L, Q, 4, 4]: one TMA brings row r of 4 groups for a tile, in shared memory in the
+    order of the mma fragment (lane 4 q + c, registers (l, j); Triton's layout for it then
+    needs no conversion). sz [groups, N] likewise as (l, q, c, j), box [L, Q, 4, 4]. (One
+    address with the same geometry is the same descriptor, so a reused address is harmless.)"""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n = qa.shape[1]
+    groups = sz.shape[0]
+    key = (qa.data_ptr(), qb.data_ptr(), sz.data_ptr(), bits, n, groups, reps, q)
+    if key not in _DESCS:
+        def view(t: torch.Tensor, rows: int) -> TensorDescriptor:
+            return TensorDescriptor(t, [rows, n // (4 * q), q, groups, 4],
+                                    [n, 4 * q, 4, rows * n, 1], [1, reps, q, 4, 4])
+
+        qd = view(qa, wa)
+        szd = TensorDescriptor(sz.view(torch.int32), [n // (4 * q), q, groups, 4],
+                               [4 * q, 4, n, 1], [reps, q, 4, 4])
+        _DESCS[key] = dict(qa_desc=qd, qb_desc=view(qb, wa // 2) if bits == 3 else qd,
+                           sz_desc=szd)
+    return _DESCS[key]
 
 

@@ -231,9 +231,20 @@ def parse_cfgs(text: str) -> list[dict]:
     """"reps,warps,waves[,maxnreg[,stages[,early]]];..." -> [dict(reps=, num_warps=, ...)]
     (--tc-configs; M = 1 only: maxnreg = gemv_tc's register cap (empty: none), stages = its
     software-pipelined set loop, weights through shared memory; early = k: the first k blocks
-    of weights of each set loaded before the PDL wait)."""
+    of weights of each set loaded before the PDL wait). A part "e:key=value,..." is the
+    engine's config for each bit width with those keys set (e.g. "e:tma=1,stages=3,waves=8";
+    maxnreg= empty: no cap)."""
     out = []
     for part in filter(None, text.split(";")):
+        if part.startswith("e:"):
+            cfg = {"engine": True}
+            for kv in filter(None, part[2:].split(",")):
+                key, val = kv.split("=")
+                cfg[key] = None if val == "" else float(val) if "." in val else int(val)
+            if "tma" in cfg:
+                cfg["tma"] = bool(cfg["tma"])
+            out.append(cfg)
+            continue
         f = part.split(",")
         cfg = dict(reps=int(f[0]), num_warps=int(f[1]), waves=float(f[2]))
         if len(f) > 3 and f[3]:
@@ -304,7 +315,8 @@ def _tc_kwargs(cfg: dict, bits: int) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
+def m1_compare(out: str, smoke: bool, tc_cfgs: list, shapes: list | None = None,
+               fma: bool = True) -> int:
     """M = 1 only: old (FMA) vs new (tensor-core) GEMV at SHAPES x bits 2/3/4, one JSON. Each
     variant is checked against the naive reference first; a wrong one is recorded, not timed.
     smoke: tiny shapes, no timing (CPU interpreter dry run of this code path)."""
@@ -314,7 +326,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
     t0 = time.time()
     data = _compare_header(smoke)
     rows = data["rows"]
-    for n, k in (SMOKE_SHAPES if smoke else M1_SHAPES):
+    for n, k in (SMOKE_SHAPES if smoke else shapes or M1_SHAPES):
         for bits in (2, 3, 4):
             nbytes = layer_bytes(random_layer(n, k, bits, device=dev))
             copies = 1 if smoke else max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
@@ -322,7 +334,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
             x = torch.randn(1, k, device=dev).to(torch.bfloat16)
             ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
             bn, nw, waves, pf = GEMV_CONFIG[bits]
-            variants = [("fma", dict(bn=bn, num_warps=nw, waves=waves, prefetch=pf))]
+            variants = [("fma", dict(bn=bn, num_warps=nw, waves=waves, prefetch=pf))] * fma
             variants += [("tc", _tc_kwargs(c, bits)) for c in tc_cfgs]
             for name, kw in variants:
                 rec = {"n": n, "k": k, "bits": bits, "variant": name, **kw, "bytes": nbytes,
@@ -342,7 +354,7 @@ def m1_compare(out: str, smoke: bool, tc_cfgs: list) -> int:
                 print(f"{n:6d}x{k:<6d} {bits}b {name:3s} {cfg:40s} err "
                       f"{rec.get('rel_err', float('nan')):.1e}  {res}", flush=True)
     print("summary (best tc vs fma, us):")
-    for n, k in (SMOKE_SHAPES if smoke else M1_SHAPES):
+    for n, k in (SMOKE_SHAPES if smoke else shapes or M1_SHAPES):
         for bits in (2, 3, 4):
             sel = [r for r in rows if (r["n"], r["k"], r["bits"]) == (n, k, bits) and "us" in r]
             old = [r["us"] for r in sel if r["variant"] == "fma"]
@@ -439,7 +451,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="all", help="all, or indices into SHAPES, e.g. 1,3")
     ap.add_argument("--tc-configs", default="",
                     help='--m1/--m16-compare: tensor-core configs "reps,warps,waves'
-                         '[,maxnreg[,stages[,early]]];..." instead of the built-in list')
+                         '[,maxnreg[,stages[,early]]];..." instead of the built-in list; '
+                         '"e:key=value,...": the engine\'s config with those keys')
+    ap.add_argument("--m1-shapes", default="",
+                    help='--m1-compare: "N:K,..." instead of M1_SHAPES')
+    ap.add_argument("--no-fma", action="store_true", help="--m1-compare: no FMA-path rows")
     args = ap.parse_args(argv)
     if args.m1_compare or args.m16_compare:
         if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -452,7 +468,10 @@ def main(argv=None) -> int:
         if args.m16_compare:
             return m16_compare(args.out, args.smoke,
                                own or (GEMM16_CFGS[:1] if args.quick else GEMM16_CFGS))
-        return m1_compare(args.out, args.smoke, own or (TC_CFGS[:1] if args.quick else TC_CFGS))
+        shapes = [tuple(int(v) for v in sh.split(":")) for sh in filter(None,
+                                                                        args.m1_shapes.split(","))]
+        return m1_compare(args.out, args.smoke, own or (TC_CFGS[:1] if args.quick else TC_CFGS),
+                          shapes, not args.no_fma)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
