@@ -4,6 +4,9 @@ for any chunking, is tests/test_engine.py's logits test on the "cuda" parameter.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,18 +47,25 @@ def test_cuda_graph_decode_matches_eager():
     assert _run(graphed_engine) == eager
 
 
-def test_gpu_budget_is_a_hard_cap():
+def _budget_check() -> None:
     cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
     sd = random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1)
-    try:
-        engine = LLMEngine(cfg, sd, EngineConfig(device="cuda", dtype=torch.bfloat16,
-                                                 max_num_seqs=2, max_model_len=256,
-                                                 num_kv_blocks=32, gpu_gib=0.5), EOS)
-        assert _run(engine, n=2)  # serves within the budget
-        with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB > the 0.5 GiB cap
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+    engine = LLMEngine(cfg, sd, EngineConfig(device="cuda", dtype=torch.bfloat16,
+                                             max_num_seqs=2, max_model_len=256,
+                                             num_kv_blocks=32, gpu_gib=0.5), EOS)
+    assert _run(engine, n=2)  # serves within the budget
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB > the 0.5 GiB cap
+
+
+def test_gpu_budget_is_a_hard_cap():
+    """In a fresh process, as a server starts: the cap is per process, and what earlier tests
+    left reserved in this one counts against it (H100, run 75: after the GEMV-chain and graph
+    tests the engine's CUDA-graph capture ran out of memory under the 0.5 GiB cap and the
+    process aborted; the same test alone passed, run 76)."""
+    r = subprocess.run([sys.executable, __file__, "budget"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_cuda_multi_step_decode_with_graphs():
@@ -66,3 +76,7 @@ def test_cuda_multi_step_decode_with_graphs():
     cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
     tiny = (cfg, random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1))
     check_multi_step_decode("cuda", torch.float32, tiny=tiny)
+
+
+if __name__ == "__main__":  # test_gpu_budget_is_a_hard_cap's child process
+    {"budget": _budget_check}[sys.argv[1]]()

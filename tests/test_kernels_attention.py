@@ -134,7 +134,7 @@ DECODE_CASES = [([9, 1, 37, 16], [1, 1, 1, 1]), ([70, 5, 33], [1, 0, 1])]
 # the split kernel as by default (early_idx), its table entries in order, only a tile ahead;
 # every KV head in one program
 DECODE_VARIANTS = [{}, dict(early_idx=False), dict(early_idx=False, bt_ahead=True),
-                   dict(all_heads=True)]
+                   dict(all_heads=True), dict(partial_dtype=torch.bfloat16)]
 
 
 def _seed() -> int:
@@ -171,8 +171,13 @@ def run_cpu(group: str) -> None:
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
                                     num_splits=ns, block_n=8, min_split=8)
                 # (default early_idx) the table entries in order / only a tile ahead; every
-                # KV head in one program
+                # KV head in one program; 16-bit partials (fp16 here: bf16's rounding is above
+                # the fp16 tolerance; the CUDA test takes bf16 at bf16's)
                 for variant in DECODE_VARIANTS[1:]:
+                    if "partial_dtype" in variant:
+                        if dtype == torch.float32:
+                            continue
+                        variant = dict(partial_dtype=torch.float16)
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
                                     num_splits=3, block_n=8, min_split=8, **variant)
                 check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
@@ -249,7 +254,8 @@ def test_cuda_prefill_via_engine_with_new_kv():
 @pytest.mark.parametrize("variant", range(len(DECODE_VARIANTS)))
 def test_cuda_decode(ctx_lens, num_splits, variant):
     """DECODE_VARIANTS[variant]: the default split kernel (indices before the PDL wait, table
-    entries a tile ahead) / entries in order / only ahead / every KV head in one program."""
+    entries a tile ahead) / entries in order / only ahead / every KV head in one program /
+    bfloat16 partials."""
     check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
                     _seed(), decode=True, num_splits=num_splits, **DECODE_VARIANTS[variant])
 

@@ -156,9 +156,10 @@ def compile_all() -> list[str]:
         ctx = torch.tensor([60] * n, dtype=torch.int32)
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
-        if max(lens) == 1:  # the split kernel's table entries in order / only a tile ahead
+        if max(lens) == 1:  # the split kernel's table entries in order / only a tile ahead;
             for variant in (dict(early_idx=False, num_stages=5),
-                            dict(early_idx=False, bt_ahead=True)):
+                            dict(early_idx=False, bt_ahead=True),
+                            dict(partial_dtype=torch.bfloat16)):  # (bf16 partials too)
                 decode.paged_decode_attention(q, kc, vc, tables, cu, ctx, 0.088, 8192,
                                               **variant)
             # every KV head in one program, at perf/kernels/bench_attention.py's configs

@@ -122,8 +122,8 @@ def _decode_split_kernel(
     else:
         # partials: opart [N, H, num_splits, D] fp32, lse [N, H, num_splits] (log2 units)
         row_nh = (n * H + heads).to(tl.int64)
-        tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + offs_d[None, :], out,
-                 mask=gmask[:, None])
+        tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + offs_d[None, :],
+                 out.to(opart_ptr.dtype.element_ty), mask=gmask[:, None])
         tl.store(lse_ptr + row_nh * num_splits + sp, m_i + tl.log2(l_i), mask=gmask)
 
 
@@ -181,7 +181,8 @@ def _decode_split_heads_kernel(
                  + d_c[None, :], out.to(o_ptr.dtype.element_ty), mask=keep)
     else:  # partials: opart [N, H, num_splits, D] fp32, lse [N, H, num_splits] (log2 units)
         row_nh = (n * H + heads).to(tl.int64)
-        tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + d_c[None, :], out,
+        tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + d_c[None, :],
+                 out.to(opart_ptr.dtype.element_ty),
                  mask=keep)
         tl.store(lse_ptr + row_nh * num_splits + sp, m_i + tl.log2(l_i), mask=g_r < GROUP)
 
@@ -208,7 +209,7 @@ def _decode_merge_kernel(opart_ptr, lse_ptr, o_ptr, cu_ptr, ctx_ptr, num_splits,
     lse = tl.load(lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     part = tl.load(opart_ptr + (base + offs_s[:, None]) * D + offs_d[None, :],
-                   mask=smask[:, None], other=0.0)
+                   mask=smask[:, None], other=0.0).to(tl.float32)
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
              out.to(o_ptr.dtype.element_ty))
@@ -239,7 +240,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4, num_stages: int = 3,
                            programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
                            bt_ahead: bool = False, early_idx: bool = True,
-                           all_heads: bool = False) -> torch.Tensor:
+                           all_heads: bool = False,
+                           partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
     q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
@@ -257,6 +259,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (_decode_split_heads_kernel), the splits counted as for one KV head. Its load floor was
     higher (0.76 of copy at 32K instead of 0.72, run 64), the kernel slower: 0.25-0.34 at 32K
     batch 1, 0.38-0.54 at batch 16 (run 67), so off.
+    partial_dtype: the per-split outputs (normalised, so of v's magnitude) written for the
+    merge; bfloat16 halves that traffic (N H num_splits D elements written and read back):
+    within the run-to-run spread on an H100 (run 74, perf/RESULTS.md session 18), so fp32.
     """
     T, H, D = q.shape
     N = block_tables.shape[0]
@@ -273,7 +278,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     min_split = triton.cdiv(max(1, min_split), block_n) * block_n
     if num_splits > 1:
-        opart = torch.empty((N, H, num_splits, D), dtype=torch.float32, device=q.device)
+        opart = torch.empty((N, H, num_splits, D), dtype=partial_dtype, device=q.device)
         lse = torch.empty((N, H, num_splits), dtype=torch.float32, device=q.device)
     else:
         opart = lse = o  # unused

@@ -93,8 +93,9 @@ def decode_inputs(B: int, L: int, R: int):
 
 
 def decode_cfg(name: str) -> dict:
-    """paged_decode_attention's kwargs from a name [heads_]nB_wW_sS_oO[+ahead][+early]: block_n,
-    warps, stages, "o" = programs_per_sm (the residency the split count is sized for)."""
+    """paged_decode_attention's kwargs from a name [heads_]nB_wW_sS_oO[+ahead][+early][+bf16p]:
+    block_n, warps, stages, "o" = programs_per_sm (the residency the split count is sized for);
+    bf16p: bfloat16 partials."""
     base, *flags = name.split("+")
     heads = base.startswith("heads_")
     n, w, s, o = (int(f[1:]) for f in base.removeprefix("heads_").split("_"))
@@ -102,6 +103,9 @@ def decode_cfg(name: str) -> dict:
                early_idx=False)
     if heads:
         cfg.update(min_split=128, all_heads=True)
+    if "bf16p" in flags:
+        flags.remove("bf16p")
+        cfg["partial_dtype"] = torch.bfloat16
     cfg.update({dict(ahead="bt_ahead", early="early_idx")[f]: True for f in flags})
     return cfg
 
