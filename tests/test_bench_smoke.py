@@ -60,3 +60,19 @@ def test_bench_chain_smoke(tmp_path):
     assert [x["variant"] for x in rows] == ["launches", "chain", "chain+pf1", "chain+pfall",
                                             "chain early=2", "chain early=0", "chain nocoop"]
     assert all(x["rel_err"] < 1e-2 and x["us"] > 0 for x in rows)
+
+
+def test_bench_quant_config_syntax():
+    """bench_quant's --tc-configs: "e:key=value" parts are the engine's config per bit width
+    with those keys (maxnreg= empty: no cap), beside the positional form."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf" / "kernels"))
+    import bench_quant
+
+    cfgs = bench_quant.parse_cfgs("e:;e:tma=1,stages=3,waves=8.0;e:reps=1,maxnreg=;2,1,24,128")
+    assert cfgs[:3] == [{"engine": True}, {"engine": True, "tma": True, "stages": 3,
+                                           "waves": 8.0},
+                        {"engine": True, "reps": 1, "maxnreg": None}]
+    assert cfgs[3] == {"reps": 2, "num_warps": 1, "waves": 24.0, "maxnreg": 128}
+    kw = bench_quant._tc_kwargs(cfgs[2], 4)
+    assert kw["reps"] == 1 and "maxnreg" not in kw and kw["num_warps"] == 1
+    assert bench_quant._tc_kwargs(cfgs[1], 3)["tma"] is True

@@ -120,7 +120,8 @@ def _decode_split_kernel(
         tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
-        # partials: opart [N, H, num_splits, D] fp32, lse [N, H, num_splits] (log2 units)
+        # partials: opart [N, H, num_splits, D] (partial_dtype), lse [N, H, num_splits]
+        # (log2 units)
         row_nh = (n * H + heads).to(tl.int64)
         tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + offs_d[None, :],
                  out.to(opart_ptr.dtype.element_ty), mask=gmask[:, None])
@@ -179,7 +180,7 @@ def _decode_split_heads_kernel(
     if DIRECT:  # a single split: this is the final output
         tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                  + d_c[None, :], out.to(o_ptr.dtype.element_ty), mask=keep)
-    else:  # partials: opart [N, H, num_splits, D] fp32, lse [N, H, num_splits] (log2 units)
+    else:  # partials: opart [N, H, num_splits, D] (partial_dtype), lse [N, H, num_splits]
         row_nh = (n * H + heads).to(tl.int64)
         tl.store(opart_ptr + (row_nh[:, None] * num_splits + sp) * D + d_c[None, :],
                  out.to(opart_ptr.dtype.element_ty),

@@ -22,6 +22,10 @@ same bytes: whether the kernel layout's access pattern (a warp's 128-bit loads h
 128 bytes, N words apart) costs bandwidth.
 --tma: streaming through TMA (host tensor descriptors, loop pipelined through shared memory)
 over a few grids, beside the best pointer-load grids: the floor a TMA-fed GEMV would stand on.
+--tma5: gemv_tc's TMA boxes (`tma=True`: per set row one box of 16-byte runs in the mma
+fragment's order) streamed alone, against the whole-row boxes of --tma and the pointer loads,
+beside gemv_tc with and without them: whether its TMA path (1.2-1.6x slower, run 71) loses in
+the stream (the box shape; a repacked layout would fix that) or in the arithmetic.
 --layer: a KDA layer's four matmuls streamed in four launches (each on its best grid) against
 the same bytes in one launch: the floor of a weight stream that runs on across kernels.
 --l2: gemv_tc (the engine's config) and the load / load+reduce floors reading the same layer at
@@ -176,6 +180,42 @@ def _stream_tma_kernel(qa_desc, qb_desc, sz_desc, ws_ptr, N, sets_per_split, n_s
     tl.store(ws_ptr + pid_k.to(tl.int64) * N + cols, acc.to(tl.float32), mask=cols < N)
 
 
+@triton.jit
+def _stream_tma5_kernel(qa_desc, qb_desc, sz_desc, ws_ptr, N, sets_per_split, n_sets,
+                        WA: tl.constexpr, WB: tl.constexpr, L: tl.constexpr, Q: tl.constexpr,
+                        STAGES: tl.constexpr):
+    """--tma5: _stream_tma_kernel's bytes through gemv_tc's TMA boxes (`tma_descs`: per
+    row r of a set one [1, L, Q, 4, 4] box of 16-byte runs, 4 groups apart) instead of one
+    [RA, BN] box of 256-byte rows per set: what that box shape costs the stream."""
+    pid_n, pid_k, set0, set1 = _program_sets(sets_per_split, n_sets)
+    acc = tl.zeros([L * Q * 16], dtype=tl.int32)
+    for st in tl.range(set0, set1, num_stages=STAGES):
+        for r in tl.static_range(WA):
+            acc ^= tl.reshape(qa_desc.load([r, pid_n * L, 0, st * 4, 0]), [L * Q * 16])
+        for r in tl.static_range(WB):
+            acc ^= tl.reshape(qb_desc.load([r, pid_n * L, 0, st * 4, 0]), [L * Q * 16])
+        acc ^= tl.reshape(sz_desc.load([pid_n * L, 0, st * 4, 0]), [L * Q * 16])
+    tl.store(ws_ptr + pid_k.to(tl.int64) * N + pid_n * (L * Q * 4) + tl.arange(0, L * Q * 4),
+             tl.xor_sum(tl.reshape(acc, [L * Q * 4, 4]), axis=1).to(tl.float32))
+
+
+def stream_tma5_call(layer, n, k, bits, reps, waves, stages):
+    from volundr.kernels.quant.gemv_tc import tma_descs
+
+    qa, qb, sz = layer
+    bn = 32 * reps
+    n_tiles = triton.cdiv(n, bn)
+    n_sets = triton.cdiv(k // 128, 4)
+    wa = qa.shape[0] // (4 * n_sets)
+    d = tma_descs(qa, qb, sz, bits, wa, reps, 8)
+    sps, ns = split_k(n_tiles, n_sets, qa.device, waves)
+    ws, _ = _workspace(qa.device, n_tiles, ns * n)
+    _stream_tma5_kernel[(n_tiles, ns)](d["qa_desc"], d["qb_desc"], d["sz_desc"], ws, n, sps,
+                                       n_sets, WA=wa, WB=wa // 2 if bits == 3 else 0, L=reps,
+                                       Q=8, STAGES=stages, num_warps=1,
+                                       launch_pdl=pdl.ON.value)
+
+
 # --tma grids: (BN, warps, programs per SM, stages)
 TMA = [(64, 1, 8, 3), (64, 1, 4, 4), (128, 4, 4, 3), (128, 4, 2, 4), (256, 4, 2, 3),
        (256, 8, 1, 4), (128, 2, 3, 4)]
@@ -277,7 +317,20 @@ def run_shape(n: int, k: int, bits: int, sweep: bool | str) -> list[dict]:
     def tm(c, bn, nw, w, stages):
         stream_tma_call(layers[c], n, k, bits, bn, nw, w, stages, descs)
 
-    if sweep == "tma":  # TMA-fed streaming against the best pointer-load grids of run 16
+    def t5(c, w, stages):
+        stream_tma5_call(layers[c], n, k, bits, 2, w, stages)
+
+    def tct(c, w, stages):
+        gemv_tc(x, *layers[c], bits, 128, out=y, **{**cfg, "waves": w, "stages": stages,
+                                                      "tma": True})
+
+    if sweep == "tma5":  # gemv_tc's TMA boxes: their stream, and the GEMV on them (run 71)
+        variants = {"gemv_tc": f(tc, early=None), "stream 64,1,8": f(st, bn=64, nw=1, w=8)}
+        for w, sg in ((8, 2), (8, 3), (24, 2)):
+            variants[f"tma 64,1,{w},s{sg}"] = f(tm, bn=64, nw=1, w=w, stages=sg)
+            variants[f"tma5 64,1,{w},s{sg}"] = f(t5, w=w, stages=sg)
+            variants[f"gemv_tc tma {w},s{sg}"] = f(tct, w=w, stages=sg)
+    elif sweep == "tma":  # TMA-fed streaming against the best pointer-load grids of run 16
         variants = {f"stream {bn},{nw},{w}": f(st, bn=bn, nw=nw, w=w)
                     for bn, nw, w in [(64, 1, 24), (64, 1, 8), (64, 1, 48)]}
         variants.update({f"tma {bn},{nw},{w},s{sg}": f(tm, bn=bn, nw=nw, w=w, stages=sg)
@@ -368,11 +421,13 @@ def main(argv=None) -> int:
                     help="gemv_tc and the floors with the weights L2-resident vs from HBM")
     ap.add_argument("--tma", action="store_true",
                     help="streaming with TMA loads pipelined through shared memory")
+    ap.add_argument("--tma5", action="store_true",
+                    help="gemv_tc's TMA boxes (16-byte runs) against whole-row TMA boxes")
     ap.add_argument("--layer", action="store_true",
                     help="a layer's weights streamed in four launches vs in one")
     args = ap.parse_args(argv)
     mode = ("tiled" if args.tiled else "l2" if args.l2 else "tma" if args.tma
-            else args.sweep)
+            else "tma5" if args.tma5 else args.sweep)
     if args.layer:
         rows = run_layer()
     else:
