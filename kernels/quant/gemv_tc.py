@@ -741,7 +741,7 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     rsqrt(sum(rs) / K + eps), i.e. RMSNorm(h) @ W^T: the norm's launch saved at each boundary
     between a layer's output projection and the next input projection.
     tma (one warp, N a multiple of the tile, K of 4 groups; with stages > 1): the words, scales
-    loaded by the TMA unit through shared memory (host tensor descriptors, cached per weight):
+    loaded by the TMA unit through shared memory (host tensor descriptors, `tma_descs`):
     bytes in flight without registers or per-lane load instructions held for them. On an H100
     (run 71, perf/RESULTS.md session 18) 1.2-1.6x slower than the default at every engine
     shape, best at stages 2 (deeper pipelines leave fewer one-warp programs per SM): opt-in."""
@@ -825,32 +825,26 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
     return (n_tiles, ns), args, kw
 
 
-_DESCS: dict = {}
-
-
 def tma_descs(qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int, wa: int,
               reps: int, q: int) -> dict:
-    """Host tensor descriptors of a weight for the TMA path, cached by address. A plane
-    [groups * R, N] is viewed 5-D as (r, l, q, c, j) = word (c R + r, 4 (Q l + q) + j), box
-    [1, L, Q, 4, 4]: one TMA brings row r of 4 groups for a tile, in shared memory in the
-    order of the mma fragment (lane 4 q + c, registers (l, j); Triton's layout for it then
-    needs no conversion). sz [groups, N] likewise as (l, q, c, j), box [L, Q, 4, 4]. (One
-    address with the same geometry is the same descriptor, so a reused address is harmless.)"""
+    """Host tensor descriptors of a weight for the TMA path (plain records: the launch encodes
+    them, so one per call costs little and pins no tensor). A plane [groups * R, N] is viewed
+    5-D as (r, l, q, c, j) = word (c R + r, 4 (Q l + q) + j), box [1, L, Q, 4, 4]: one TMA
+    brings row r of 4 groups for a tile, in shared memory in the order of the mma fragment
+    (lane 4 q + c, registers (l, j); Triton's layout for it then needs no conversion).
+    sz [groups, N] likewise as (l, q, c, j), box [L, Q, 4, 4]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n = qa.shape[1]
     groups = sz.shape[0]
-    key = (qa.data_ptr(), qb.data_ptr(), sz.data_ptr(), bits, n, groups, reps, q)
-    if key not in _DESCS:
-        def view(t: torch.Tensor, rows: int) -> TensorDescriptor:
-            return TensorDescriptor(t, [rows, n // (4 * q), q, groups, 4],
-                                    [n, 4 * q, 4, rows * n, 1], [1, reps, q, 4, 4])
 
-        qd = view(qa, wa)
-        szd = TensorDescriptor(sz.view(torch.int32), [n // (4 * q), q, groups, 4],
-                               [4 * q, 4, n, 1], [reps, q, 4, 4])
-        _DESCS[key] = dict(qa_desc=qd, qb_desc=view(qb, wa // 2) if bits == 3 else qd,
-                           sz_desc=szd)
-    return _DESCS[key]
+    def view(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        return TensorDescriptor(t, [rows, n // (4 * q), q, groups, 4],
+                                [n, 4 * q, 4, rows * n, 1], [1, reps, q, 4, 4])
+
+    qd = view(qa, wa)
+    return dict(qa_desc=qd, qb_desc=view(qb, wa // 2) if bits == 3 else qd,
+                sz_desc=TensorDescriptor(sz.view(torch.int32), [n // (4 * q), q, groups, 4],
+                                         [4 * q, 4, n, 1], [reps, q, 4, 4]))
 
 
