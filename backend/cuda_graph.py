@@ -26,9 +26,12 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, max_bs: int,
-                 max_blocks: int, max_model_len: int, scratch_slot: int, tp: bool = False):
+                 max_blocks: int, max_model_len: int, scratch_slot: int, tp: bool = False,
+                 budget_bytes: int | None = None):
         """tp: a tensor-parallel rank; its graphs hold NCCL collectives (and rank > 0 captures
-        no logits: `run` returns None there)."""
+        no logits: `run` returns None there). budget_bytes: the process's allocator cap (the
+        captures must fit under it: `_check_room`). Raises RuntimeError when a size cannot be
+        captured (the caller then decodes eagerly)."""
         cfg = model.cfg
         self.model, self.max_bs, self.max_model_len = model, max_bs, max_model_len
         # NCCL's watchdog thread queries events while a rank captures: only this thread's
@@ -45,6 +48,8 @@ class CUDAGraphRunner:
                                     dtype=torch.long, **z)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
+        self.device, self.budget_bytes = device, budget_bytes
+        self.build_peak = 0  # the allocator's peak before and during the captures' warm-ups
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(capture_sizes(max_bs)):
             self._capture(bs)
@@ -62,12 +67,38 @@ class CUDAGraphRunner:
     def _step(self, b: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(b))
 
+    def _check_room(self, need: int) -> None:
+        """Raises RuntimeError unless `need` bytes fit what the allocator may still take. An
+        out-of-memory inside a capture does not raise: it ends the process ("Fatal Python
+        error: Aborted", H100 run 75), so the room is checked before. The capture allocates from
+        the graphs' private pool, which cannot take blocks cached in the default one (they are
+        handed back first); blocks a larger capture left free in the pool count as room."""
+        torch.cuda.empty_cache()
+        dev = self.device
+        free, total = torch.cuda.mem_get_info(dev)
+        reserved = torch.cuda.memory_reserved(dev)
+        room = free
+        if self.budget_bytes is not None:
+            room = min(room, self.budget_bytes - reserved)
+        room += reserved - torch.cuda.memory_allocated(dev)  # free blocks of the graph pool
+        margin = need // 8 + 16 * 2**20  # segment rounding, fragmentation
+        if need + margin > room:
+            raise RuntimeError(f"no room to capture the decode graph: it needs ~{need / 2**20:.0f}"
+                               f" MiB, {max(room, 0) / 2**20:.0f} MiB is left under the budget")
+
     @torch.inference_mode()
     def _capture(self, bs: int) -> None:
         b = self._batch(bs)
+        base = torch.cuda.memory_allocated(self.device)
+        # the warm-up's peak is what the capture needs; the process's peak so far is kept
+        self.build_peak = max(self.build_peak, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
             self._step(b)
         torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.build_peak = max(self.build_peak, peak)
+        self._check_room(peak - base)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.mode):
             self.logits[bs] = self._step(b)

@@ -32,6 +32,7 @@ class ModelRunner:
         (parallel.enable_one_shot) on CUDA.
         gpu_budget_gib: a hard cap on what this process's CUDA allocator may hold."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        budget_bytes = None
         if gpu_budget_gib is not None and device.type == "cuda":
             # The plan sized weights + caches + workspace to the budget; the allocator cap makes
             # it hard: anything past it fails with an out-of-memory error instead of growing.
@@ -39,6 +40,7 @@ class ModelRunner:
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, gpu_budget_gib * 2**30 / total), index)
+            budget_bytes = int(min(1.0, gpu_budget_gib * 2**30 / total) * total)
         self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_model_len = max_model_len
@@ -65,9 +67,11 @@ class ModelRunner:
             try:
                 self.graphs = CUDAGraphRunner(
                     self.model, device, dtype, num_slots, -(-max_model_len // block_size),
-                    max_model_len, scratch_slot=num_slots, tp=tp_size > 1)
-            except RuntimeError as e:  # an op without a capturable kernel: run eagerly
+                    max_model_len, scratch_slot=num_slots, tp=tp_size > 1,
+                    budget_bytes=budget_bytes)
+            except RuntimeError as e:  # no capturable kernel for an op, or no room: run eagerly
                 warnings.warn(f"CUDA graphs disabled, decode runs eagerly: {e}", stacklevel=2)
+                torch.cuda.empty_cache()  # the graphs captured before are gone
                 for t in self.states:
                     t.zero_()
 

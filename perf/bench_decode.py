@@ -479,7 +479,10 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list
     graphs = engine.runner.graphs
     built = {"build_s": time.perf_counter() - t,
              "gpu_mem_after_build_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
-             "gpu_mem_peak_build_GB": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
+             # (the graph runner resets the allocator's peak to measure each capture's need)
+             "gpu_mem_peak_build_GB": max(torch.cuda.max_memory_allocated(),
+                                          getattr(graphs, "build_peak", 0)) / 1e9
+             if cuda else None}
     prof_path = f"{args.profile_dir}/profiles.txt"  # all variants: few files come back
     if args.profile_dir and cuda and tp == 1:  # the profiles see rank 0 only
         os.makedirs(args.profile_dir, exist_ok=True)

@@ -76,3 +76,16 @@ def test_bench_quant_config_syntax():
     kw = bench_quant._tc_kwargs(cfgs[2], 4)
     assert kw["reps"] == 1 and "maxnreg" not in kw and kw["num_warps"] == 1
     assert bench_quant._tc_kwargs(cfgs[1], 3)["tma"] is True
+
+
+def test_diag_gemv_i8_ptx_operand_order():
+    """diag_gemv_i8's PTX, run on emulated lanes with mma.m16n8k32's fragment layout from the
+    PTX ISA, gives each lane its own group's sums of codes x digits (any wrong operand, digit
+    order or byte position gives thousands off)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf" / "kernels"))
+    import diag_gemv_i8
+
+    assert diag_gemv_i8.selftest(2, seed=1) == 0
+    assert diag_gemv_i8.selftest(4, seed=1) == 0
+    assert diag_gemv_i8.selftest(4, mask=True, seed=1) == 0
+    assert diag_gemv_i8.selftest(2, mask=True, seed=1) == 0

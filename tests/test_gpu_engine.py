@@ -68,6 +68,38 @@ def test_gpu_budget_is_a_hard_cap():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def _no_room_check() -> None:
+    """A capture that does not fit the cap raises RuntimeError before it starts (an
+    out-of-memory inside a capture would abort the process), and decode goes on eagerly."""
+    from volundr.cuda_graph import CUDAGraphRunner
+
+    engine = _engine("cuda", torch.float32, False)
+    eager = _run(engine)
+    r = engine.runner
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = torch.cuda.memory_reserved() + 8 * 2**20  # room for the warm-up, not for the margin
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    args = (r.model, r.device, r.dtype, r.num_slots, -(-r.max_model_len // r.block_size),
+            r.max_model_len)
+    with pytest.raises(RuntimeError, match="no room to capture"):
+        CUDAGraphRunner(*args, scratch_slot=r.num_slots, budget_bytes=cap)
+    for t in r.states:
+        t.zero_()
+    assert _run(engine) == eager  # the process lives on and serves within the cap
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    r.graphs = CUDAGraphRunner(*args, scratch_slot=r.num_slots)
+    for t in r.states:
+        t.zero_()
+    assert _run(engine) == eager
+
+
+def test_cuda_graph_capture_without_room_falls_back():
+    r = subprocess.run([sys.executable, __file__, "no_room"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_cuda_multi_step_decode_with_graphs():
     """decode_steps = 4 replays the captured graph 4 times per engine step, feeding each argmax
     on the device: the same ids as one token per step (fp32, so eager == graph exactly)."""
@@ -78,5 +110,5 @@ def test_cuda_multi_step_decode_with_graphs():
     check_multi_step_decode("cuda", torch.float32, tiny=tiny)
 
 
-if __name__ == "__main__":  # test_gpu_budget_is_a_hard_cap's child process
-    {"budget": _budget_check}[sys.argv[1]]()
+if __name__ == "__main__":  # the child processes of the budget and no-room tests
+    {"budget": _budget_check, "no_room": _no_room_check}[sys.argv[1]]()
