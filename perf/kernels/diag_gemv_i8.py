@@ -23,7 +23,8 @@ measures is whether fewer instructions per weight move the time at the engine's 
 against gemv_tc in the same run (engine config and without early weights, which this kernel
 lacks): `python3 perf/kernels/diag_gemv_i8.py --out $OUT/gemv_i8.json`.
 `--selftest` (CPU) checks the operand order of the PTX against mma's fragment layout from the
-PTX ISA, emulated in torch.
+PTX ISA, emulated in torch, and under TRITON_INTERPRET=1 the kernel's own digits (XPREP)
+against prep_x.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import sys
 import time
 
@@ -44,6 +46,7 @@ from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
 
 XMAX = 127 * 128 + 63  # largest |xi|: d1 in [-127, 127], d0 in [-64, 63]
+XMAX_C = tl.constexpr(XMAX)
 
 
 def nb(bits: int) -> int:
@@ -52,6 +55,14 @@ def nb(bits: int) -> int:
 
 
 # ---- x as digits, in the B fragment's order ----------------------------------------------------
+def _xi(xk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[groups, G] fp32 -> (sx [groups, 1], xi int32 [groups, G]), rounded as `_digits` does."""
+    amax = xk.abs().amax(1, keepdim=True)
+    sx = torch.where(amax > 0, amax / XMAX, torch.ones_like(amax))
+    inv = XMAX / torch.where(amax > 0, amax, torch.ones_like(amax))
+    return sx, torch.floor(xk * inv + 0.5).clamp(-XMAX, XMAX).to(torch.int32)
+
+
 def prep_x(x: torch.Tensor, bits: int, g: int = 128, mask: bool = False):
     """x [1, K] -> (xd int32 [2, groups, WA, NB], xg fp32 [groups, 2]). xd[d, grp, r, e] packs
     the digits d (0: d1, 1: d0) of word row r's slots NB b + e, byte b = 0..3, i.e. of k = grp G
@@ -63,9 +74,7 @@ def prep_x(x: torch.Tensor, bits: int, g: int = 128, mask: bool = False):
     pa = 4 if bits == 4 else 2
     wa, n_b = g * pa // 32, nb(bits)
     xk = x.float().reshape(k // g, g)
-    amax = xk.abs().amax(1, keepdim=True)
-    sx = torch.where(amax > 0, amax / XMAX, torch.ones_like(amax))
-    xi = torch.round(xk / sx).clamp(-XMAX, XMAX).to(torch.int32)
+    sx, xi = _xi(xk)
     d1 = torch.div(xi + 64, 128, rounding_mode="floor")
     d0 = xi - 128 * d1
     r = torch.arange(wa).view(wa, 1, 1)
@@ -192,15 +201,53 @@ def consts(bits: int, mask: bool = False) -> dict:
 
 # ---- the kernel ------------------------------------------------------------------------------
 @triton.jit
+def _digits(x_ptr, xd_ptr, xg_ptr, st, num_groups, G: tl.constexpr, WA: tl.constexpr,
+            NB: tl.constexpr, MASK: tl.constexpr):
+    """XPREP: set st's 4 groups of x (bf16) as prep_x makes them, into the scratch xd / xg
+    (every program of a split writes the same values there, as gemv_tc's NORM does its x')."""
+    xv = tl.reshape(tl.load(x_ptr + st * 4 * G + tl.arange(0, 4 * G)).to(tl.float32), [4, G])
+    amax = tl.max(tl.abs(xv), axis=1)  # [4]
+    sx = tl.where(amax > 0, amax / XMAX_C, 1.0)
+    inv = XMAX_C / tl.where(amax > 0, amax, 1.0)
+    xi = tl.floor(xv * tl.expand_dims(inv, 1) + 0.5).to(tl.int32)
+    xi = tl.minimum(tl.maximum(xi, -XMAX_C), XMAX_C)
+    xq = sx * tl.sum(xi, axis=1).to(tl.float32)
+    g4 = st * 4 + tl.arange(0, 4)
+    tl.store(xg_ptr + g4 * 2, sx)
+    tl.store(xg_ptr + g4 * 2 + 1, xq)
+    d1 = (xi + 64) >> 7
+    d0 = xi - 128 * d1
+    sh = 8 * tl.arange(0, 4)[None, None, None, :]
+    for d in tl.static_range(2):
+        v = d1 if d == 0 else d0
+        # k = (NB b + e) WA + r -> [c, r, e, b], bytes b packed into one int32
+        v = tl.permute(tl.reshape(v, [4, 4, NB, WA]), (0, 3, 2, 1))
+        w = tl.sum((v & 0xFF) << sh, axis=3)  # [4, WA, NB]
+        if MASK and NB == 2:  # (pair, e, step of the pair)
+            w = tl.reshape(tl.permute(tl.reshape(w, [4, WA // 2, 2, 2]), (0, 1, 3, 2)),
+                           [4, WA, NB])
+        elif MASK:  # e in the order 0, 2, 1, 3
+            w = tl.reshape(tl.permute(tl.reshape(w, [4, WA, 2, 2]), (0, 1, 3, 2)),
+                           [4, WA, NB])
+        off = (((d * num_groups + st * 4 + tl.arange(0, 4))[:, None, None] * WA
+                + tl.arange(0, WA)[None, :, None]) * NB + tl.arange(0, NB)[None, None, :])
+        tl.store(xd_ptr + off, w)
+
+
+@triton.jit
 def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    N, num_groups, sets_per_split, num_splits,
                    WA: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, Q: tl.constexpr,
                    SPLIT_K: tl.constexpr, ASM_STEP: tl.constexpr, CONS: tl.constexpr,
-                   MASK: tl.constexpr, NK: tl.constexpr = 0):
+                   MASK: tl.constexpr, NK: tl.constexpr = 0, EARLY: tl.constexpr = False,
+                   XPREP: tl.constexpr = False, x_ptr=None, G: tl.constexpr = 128):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); N a multiple of BN and whole
     sets of 4 groups (no masks). gemv_tc's program without its options. NK > 0: N = NK known
     to the compiler, so a load's row offset is an immediate (gemv_tc spends ~4 integer
-    instructions per 128-bit load on its 64-bit address). MASK: asm_pair4 / asm_step2m."""
+    instructions per 128-bit load on its 64-bit address). MASK: asm_pair4 / asm_step2m.
+    EARLY: each set's first block of words is loaded before PDL's wait (gemv_tc's early=1).
+    XPREP: the program makes its sets' digits from x itself (`_digits`) into xd / xg, then
+    reads them as it reads prep_x's: what the digits cost without a producer that makes them."""
     if NK > 0:
         N = NK
     pdl.trigger()
@@ -209,7 +256,8 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     BN: tl.constexpr = 4 * L * Q
     set0 = pid_k * sets_per_split
     set1 = tl.minimum(set0 + sets_per_split, num_groups // 4)
-    pdl.wait()
+    if not EARLY:
+        pdl.wait()
     c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)
     # B: lane (quad g, c) supplies column g: group c's digits iff g // 2 == c, d1 for even g
     sel = ((q4 % 8) // 2) == c4  # [4, Q, 1, 1]
@@ -217,6 +265,14 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     acc = tl.zeros([4, Q, L, 4], dtype=tl.float32)
     for st in range(set0, set1):
         grp = st * 4 + c4
+        pre = ()
+        if EARLY:  # weights are never written by an earlier kernel
+            for s in tl.static_range(4):
+                pre = pre + (_ld(qa_ptr + (grp * WA + s) * N + n, nmask, False),)
+            pdl.wait()  # (a no-op after the first set)
+        if XPREP:
+            _digits(x_ptr, xd_ptr, xg_ptr, st, num_groups, G, WA, NB, MASK)
+            tl.debug_barrier()  # the set's digits are in xd before any lane reads them
         s1 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
         s0 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
         t1 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
@@ -226,23 +282,25 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             for u in tl.static_range(NB):  # 4 of the block's 4 NB B registers
                 xbs = xbs + (_ld(xd_ptr + (dig + grp) * (WA * NB) + blk * 4 * NB + 4 * u + j4,
                                  sel, True),)
+            ws = ()
+            for s in tl.static_range(4):
+                if EARLY and blk == 0:
+                    ws = ws + (pre[s],)
+                else:
+                    ws = ws + (_ld(qa_ptr + (grp * WA + blk * 4 + s) * N + n, nmask, False),)
             if MASK and NB == 4:  # 2-bit, asm_step2m
                 for s in tl.static_range(4):
-                    w = _ld(qa_ptr + (grp * WA + blk * 4 + s) * N + n, nmask, False)
                     s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                        ASM_STEP[s], CONS, (s1, s0, t1, t0, w) + xbs,
+                        ASM_STEP[s], CONS, (s1, s0, t1, t0, ws[s]) + xbs,
                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
             elif MASK:  # 4-bit, asm_pair4
                 for pp in tl.static_range(2):
-                    w0 = _ld(qa_ptr + (grp * WA + blk * 4 + 2 * pp) * N + n, nmask, False)
-                    w1 = _ld(qa_ptr + (grp * WA + blk * 4 + 2 * pp + 1) * N + n, nmask, False)
                     s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                        ASM_STEP[pp], CONS, (s1, s0, t1, t0, w0, w1) + xbs,
+                        ASM_STEP[pp], CONS, (s1, s0, t1, t0, ws[2 * pp], ws[2 * pp + 1]) + xbs,
                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
             else:
                 for s in tl.static_range(4):
-                    w = _ld(qa_ptr + (grp * WA + blk * 4 + s) * N + n, nmask, False)
-                    s1, s0 = tl.inline_asm_elementwise(ASM_STEP[s], CONS, (s1, s0, w) + xbs,
+                    s1, s0 = tl.inline_asm_elementwise(ASM_STEP[s], CONS, (s1, s0, ws[s]) + xbs,
                                                        dtype=(tl.int32, tl.int32),
                                                        is_pure=True, pack=4)
         if MASK:  # the scaled codes' sums: 16 (4-bit) or 4 (2-bit) x theirs, exactly
@@ -273,9 +331,10 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 def gemv_i8(xd, xg, qa, sz, bits: int, group_size: int, out: torch.Tensor, reps: int = 2,
             waves: float = 24.0, maxnreg: int | None = 128, const_n: bool = False,
-            mask: bool = False):
+            mask: bool = False, early: bool = False, x: torch.Tensor | None = None):
     """out [1, N] = x @ W^T from prep_x's (xd, xg) (made with the same `mask`); 2 or 4 bits,
-    one-warp programs."""
+    one-warp programs. x given: the kernel makes the digits itself, into xd / xg (scratch of
+    prep_x's shapes)."""
     n = qa.shape[1]
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
@@ -288,7 +347,9 @@ def gemv_i8(xd, xg, qa, sz, bits: int, group_size: int, out: torch.Tensor, reps:
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
     gemv_i8_kernel[(n_tiles, ns)](xd, xg, qa, sz, out, ws, cnt, n, num_groups, sps, ns,
                                   WA=wa, NB=nb(bits), L=reps, Q=8, SPLIT_K=ns > 1,
-                                  **consts(bits, mask), NK=n if const_n else 0, num_warps=1,
+                                  **consts(bits, mask), NK=n if const_n else 0,
+                                  EARLY=early, XPREP=x is not None, x_ptr=x, G=group_size,
+                                  num_warps=1,
                                   launch_pdl=pdl.ON.value, **kw)
     return out
 
@@ -399,9 +460,7 @@ def selftest(bits: int, mask: bool = False, seed: int = 0) -> float:
     if mask:
         s1 = s1 + (torch.tensor(acc[8:12]).t() >> (8 // n_b))
         s0 = s0 + (torch.tensor(acc[12:16]).t() >> (8 // n_b))
-    xk = x.float().view(4, g)
-    amax = xk.abs().amax(1, keepdim=True)
-    xi = torch.round(xk / (amax / XMAX)).clamp(-XMAX, XMAX).to(torch.int64)
+    xi = _xi(x.float().view(4, g))[1].to(torch.int64)
     d1 = torch.div(xi + 64, 128, rounding_mode="floor")
     d0 = xi - 128 * d1
     err = 0
@@ -412,6 +471,26 @@ def selftest(bits: int, mask: bool = False, seed: int = 0) -> float:
             err = max(err, abs(int((row * d1[c]).sum()) - int(s1[lane, j])),
                       abs(int((row * d0[c]).sum()) - int(s0[lane, j])))
     return float(err)
+
+
+@triton.jit
+def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, G: tl.constexpr, WA: tl.constexpr,
+                   NB: tl.constexpr, MASK: tl.constexpr):
+    _digits(x_ptr, xd_ptr, xg_ptr, tl.program_id(0), num_groups, G, WA, NB, MASK)
+
+
+def digits_check(bits: int, mask: bool, k: int = 1024, seed: int = 0) -> float:
+    """`_digits` (the kernel's own digits, XPREP) against prep_x: largest difference of xd
+    (exact integers) and of xg. Under TRITON_INTERPRET=1 on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    x[0, :128] = 0  # a zero group: sx = 1
+    xd, xg = prep_x(x, bits, mask=mask)
+    od, og = torch.zeros_like(xd), torch.zeros_like(xg)
+    pa = 4 if bits == 4 else 2
+    _digits_kernel[(k // 512,)](x, od, og, k // 128, G=128, WA=128 * pa // 32, NB=nb(bits),
+                                MASK=mask)
+    return max((od - xd).abs().max().item(), (og - xg).abs().max().item())
 
 
 # ---- the measurement -------------------------------------------------------------------------
@@ -440,18 +519,22 @@ def bench_case(n: int, k: int, bits: int, cfgs: list, data: dict) -> None:
     def tc_fn(early: int):
         return lambda c: gemv_tc(x, *layers[c], bits, 128, out=y, early=early, **tc)
 
-    def i8_fn(reps: int, waves: int, cap: int, cn: int, mask: int):
+    def i8_fn(reps: int, waves: int, cap: int, cn: int, mask: int, early: int, xprep: int):
         xd, xg = xds[bool(mask)]
+        if xprep:  # scratch: the kernel writes the digits there itself
+            xd, xg = torch.full_like(xd, -1), torch.full_like(xg, float("nan"))
         return lambda c: gemv_i8(xd, xg, layers[c][0], layers[c][2], bits, 128, y, reps, waves,
-                                 cap or None, bool(cn), bool(mask))
+                                 cap or None, bool(cn), bool(mask), bool(early),
+                                 x if xprep else None)
 
     variants = [("tc engine", tc_fn(pdl.EARLY_WEIGHTS.get(bits, 0))), ("tc early 0", tc_fn(0))]
     names = set()
-    for r, w, cap, cn, mask in cfgs:
-        name = f"i8 r{r} w{w} cap{cap}{' N' if cn else ''}{' mask' if mask else ''}"
+    for r, w, cap, cn, mask, early, xprep in cfgs:
+        name = (f"i8 r{r} w{w} cap{cap}{' N' * cn}{' mask' * mask}{' early' * early}"
+                f"{' xprep' * xprep}")
         if name not in names:
             names.add(name)
-            variants.append((name, i8_fn(r, w, cap, cn, mask)))
+            variants.append((name, i8_fn(r, w, cap, cn, mask, early, xprep)))
     for name, fn in variants:
         rec = {"n": n, "k": k, "bits": bits, "variant": name, "bytes": nbytes}
         try:
@@ -478,13 +561,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="gemv_i8.json")
     ap.add_argument("--selftest", action="store_true", help="CPU: the PTX's operand order")
     ap.add_argument("--configs",
-                    default="2,24,128,0,0;2,24,128,1,0;2,24,128,1,1;2,24,0,1,1;2,8,128,1,1",
-                    help="reps,waves,maxnreg (0: uncapped),const_n (0/1),mask (0/1: "
-                         "asm_pair4 / asm_step2m) of the i8 kernel, ';'-separated")
+                    default="2,24,128,1,1,0,0;2,24,0,1,1,0,0;2,24,128,1,1,1,0;2,24,0,1,1,1,0;"
+                            "2,24,128,1,1,1,1;2,24,0,1,1,1,1",
+                    help="reps,waves,maxnreg (0: uncapped),const_n,mask (asm_pair4 / "
+                         "asm_step2m),early,xprep (0/1 each) of the i8 kernel, ';'-separated")
     args = ap.parse_args(argv)
     if args.selftest:
         errs = {"2": selftest(2), "4": selftest(4), "4 mask": selftest(4, True),
                 "2 mask": selftest(2, True)}
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            errs.update({f"digits {b}{' mask' * m}": digits_check(b, m)
+                         for b in (2, 4) for m in (False, True)})
         print("selftest (max |emulated - direct|):", errs)
         return 0 if not any(errs.values()) else 1
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
