@@ -20,8 +20,11 @@ D[row, 2c] and D[row, 2c + 1] are lane c's own sums, here against d1 (even colum
 Not counted: x's digits, sx and the quantized group sums come from the host (`prep_x`); a
 kernel for the engine would make them in the producer's epilogue or a prologue. What this
 measures is whether fewer instructions per weight move the time at the engine's shapes,
-against gemv_tc in the same run (engine config and without early weights, which this kernel
-lacks): `python3 perf/kernels/diag_gemv_i8.py --out $OUT/gemv_i8.json`.
+against gemv_tc in the same run (engine config and without early weights): `python3
+perf/kernels/diag_gemv_i8.py --out $OUT/gemv_i8.json`. 3-bit (`asm_step3m`): the 2-bit
+plane's codes with the 1-bit plane's bit merged into each byte, against the same digits.
+Measured (H100, runs 78 and 80): 15-20% faster than gemv_tc at 2 bits, 3-9% at 4 bits (but
++5% at 5120x5120); the kernel making its own digits (XPREP) costs 1.3-4x its time.
 `--selftest` (CPU) checks the operand order of the PTX against mma's fragment layout from the
 PTX ISA, emulated in torch, and under TRITON_INTERPRET=1 the kernel's own digits (XPREP)
 against prep_x.
@@ -186,8 +189,49 @@ def asm_step2m(s: int) -> str:
     return "\n".join(lines)
 
 
+def asm_step3m(s: int, h: int) -> str:
+    """3-bit (2-bit plane + 1-bit plane, pack.py) as asm_step2m with each code's bit 2 merged
+    in: A word row r = 4 h + s's slot i has its bit 2 at bit 2 i + 1 - h of B word s, so
+    (B << (1 + h)) puts the bits of slots 4b, 4b + 1 at bits 2 and 4 of byte b, (B >> (3 - h))
+    those of slots 4b + 2, 4b + 3: codes (w & 0x03) | (t & 0x04) (x 1) and (w & 0x0c) | (t &
+    0x10) (4 q, as in asm_step2m; at most 28). The digits are the 2-bit plane's. Per step 44
+    ALU + 4 mma for 64 weights. Operands: as asm_step2m, then $36..$39 the B words, then the
+    block's 4 B tensors at $40 + 4s + i (e 0, 2, 1, 3)."""
+    lines, regs = ["{"], []
+    for j in range(4):
+        w, b = f"${32 + j}", f"${36 + j}"
+        lines += [f"shr.u32 s{j}, {w}, 4;", f"shl.b32 u{j}, {b}, {1 + h};",
+                  f"shr.u32 v{j}, {b}, {3 - h};"]
+        regs += [f"s{j}", f"u{j}", f"v{j}"]
+        for e, (src, t, lo, hi) in enumerate(((w, "u", 0x03030303, 0x04040404),
+                                              (w, "u", 0x0C0C0C0C, 0x10101010),
+                                              (f"s{j}", "v", 0x03030303, 0x04040404),
+                                              (f"s{j}", "v", 0x0C0C0C0C, 0x10101010))):
+            lines += [f"and.b32 a{j}{e}, {src}, {lo:#010x};",
+                      f"and.b32 b{j}{e}, {t}{j}, {hi:#010x};",
+                      f"or.b32 m{j}{e}, a{j}{e}, b{j}{e};"]
+            regs += [f"a{j}{e}", f"b{j}{e}", f"m{j}{e}"]
+    for t in range(2):
+        for o, (e0, e1), bi in ((0, (0, 2), 0), (8, (1, 3), 2)):
+            d = [f"${o + 2 * t}", f"${o + 4 + 2 * t}", f"${o + 2 * t + 1}", f"${o + 5 + 2 * t}"]
+            c = [f"${16 + o + 2 * t}", f"${16 + o + 4 + 2 * t}", f"${16 + o + 2 * t + 1}",
+                 f"${16 + o + 5 + 2 * t}"]
+            a = [f"m{2 * t}{e0}", f"m{2 * t + 1}{e0}", f"m{2 * t}{e1}", f"m{2 * t + 1}{e1}"]
+            b = [f"${40 + 4 * s + bi}", f"${40 + 4 * s + bi + 1}"]
+            lines.append("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+                         f"{{{', '.join(d)}}}, {{{', '.join(a)}}}, {{{', '.join(b)}}}, "
+                         f"{{{', '.join(c)}}};")
+    lines.insert(1, f".reg .b32 {', '.join(regs)};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 @functools.cache
 def consts(bits: int, mask: bool = False) -> dict:
+    if bits == 3:
+        assert mask, "3-bit: the mask form only"
+        return dict(ASM_STEP=tuple(asm_step3m(s, h) for h in range(2) for s in range(4)),
+                    CONS=",".join(["=r"] * 16 + ["r"] * 40), MASK=True)
     if mask and bits == 4:
         return dict(ASM_STEP=(asm_pair4(0), asm_pair4(1)),
                     CONS=",".join(["=r"] * 16 + ["r"] * 32), MASK=True)
@@ -240,14 +284,16 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    WA: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, Q: tl.constexpr,
                    SPLIT_K: tl.constexpr, ASM_STEP: tl.constexpr, CONS: tl.constexpr,
                    MASK: tl.constexpr, NK: tl.constexpr = 0, EARLY: tl.constexpr = False,
-                   XPREP: tl.constexpr = False, x_ptr=None, G: tl.constexpr = 128):
+                   XPREP: tl.constexpr = False, x_ptr=None, G: tl.constexpr = 128,
+                   BITS3: tl.constexpr = False, qb_ptr=None):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); N a multiple of BN and whole
     sets of 4 groups (no masks). gemv_tc's program without its options. NK > 0: N = NK known
     to the compiler, so a load's row offset is an immediate (gemv_tc spends ~4 integer
     instructions per 128-bit load on its 64-bit address). MASK: asm_pair4 / asm_step2m.
     EARLY: each set's first block of words is loaded before PDL's wait (gemv_tc's early=1).
     XPREP: the program makes its sets' digits from x itself (`_digits`) into xd / xg, then
-    reads them as it reads prep_x's: what the digits cost without a producer that makes them."""
+    reads them as it reads prep_x's: what the digits cost without a producer that makes them.
+    BITS3 (with MASK): 3-bit, qa the 2-bit plane, qb the 1-bit plane (asm_step3m)."""
     if NK > 0:
         N = NK
     pdl.trigger()
@@ -266,6 +312,10 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
     for st in range(set0, set1):
         grp = st * 4 + c4
         pre = ()
+        bws = ()
+        if BITS3:  # the set's 4 B word rows serve both blocks (A rows s and 4 + s)
+            for s in tl.static_range(4):
+                bws = bws + (_ld(qb_ptr + (grp * (WA // 2) + s) * N + n, nmask, False),)
         if EARLY:  # weights are never written by an earlier kernel
             for s in tl.static_range(4):
                 pre = pre + (_ld(qa_ptr + (grp * WA + s) * N + n, nmask, False),)
@@ -288,7 +338,12 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                     ws = ws + (pre[s],)
                 else:
                     ws = ws + (_ld(qa_ptr + (grp * WA + blk * 4 + s) * N + n, nmask, False),)
-            if MASK and NB == 4:  # 2-bit, asm_step2m
+            if BITS3:
+                for s in tl.static_range(4):
+                    s1, s0, t1, t0 = tl.inline_asm_elementwise(
+                        ASM_STEP[blk * 4 + s], CONS, (s1, s0, t1, t0, ws[s], bws[s]) + xbs,
+                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+            elif MASK and NB == 4:  # 2-bit, asm_step2m
                 for s in tl.static_range(4):
                     s1, s0, t1, t0 = tl.inline_asm_elementwise(
                         ASM_STEP[s], CONS, (s1, s0, t1, t0, ws[s]) + xbs,
@@ -331,16 +386,18 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 def gemv_i8(xd, xg, qa, sz, bits: int, group_size: int, out: torch.Tensor, reps: int = 2,
             waves: float = 24.0, maxnreg: int | None = 128, const_n: bool = False,
-            mask: bool = False, early: bool = False, x: torch.Tensor | None = None):
-    """out [1, N] = x @ W^T from prep_x's (xd, xg) (made with the same `mask`); 2 or 4 bits,
-    one-warp programs. x given: the kernel makes the digits itself, into xd / xg (scratch of
-    prep_x's shapes)."""
+            mask: bool = False, early: bool = False, x: torch.Tensor | None = None,
+            qb: torch.Tensor | None = None):
+    """out [1, N] = x @ W^T from prep_x's (xd, xg) (made with the same `mask`); 2, 3 (mask
+    only; qb the 1-bit plane) or 4 bits, one-warp programs. x given: the kernel makes the
+    digits itself, into xd / xg (scratch of prep_x's shapes)."""
     n = qa.shape[1]
     pa = 4 if bits == 4 else 2
     wa = group_size * pa // 32
     num_groups = xg.shape[0]
     bn = 32 * reps
-    assert n % bn == 0 and num_groups % 4 == 0 and bits in (2, 4)
+    assert n % bn == 0 and num_groups % 4 == 0 and bits in (2, 3, 4)
+    assert bits != 3 or (mask and qb is not None and x is None)
     n_tiles = n // bn
     sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves)
     ws, cnt = _workspace(qa.device, n_tiles, ns * n) if ns > 1 else (out, out)
@@ -349,6 +406,7 @@ def gemv_i8(xd, xg, qa, sz, bits: int, group_size: int, out: torch.Tensor, reps:
                                   WA=wa, NB=nb(bits), L=reps, Q=8, SPLIT_K=ns > 1,
                                   **consts(bits, mask), NK=n if const_n else 0,
                                   EARLY=early, XPREP=x is not None, x_ptr=x, G=group_size,
+                                  BITS3=bits == 3, qb_ptr=qb,
                                   num_warps=1,
                                   launch_pdl=pdl.ON.value, **kw)
     return out
@@ -356,7 +414,8 @@ def gemv_i8(xd, xg, qa, sz, bits: int, group_size: int, out: torch.Tensor, reps:
 
 # ---- CPU check of the PTX's operand order ------------------------------------------------------
 def run_asm(asm: str, ins: dict[int, list[int]], n_out: int) -> list[list[int]]:
-    """Runs one of this file's PTX blocks on 32 emulated lanes: shr / and per lane, each
+    """Runs one of this file's PTX blocks on 32 emulated lanes: shr / shl / and / or per lane,
+    each
     mma.m16n8k32 (u8 A, s8 B) with its fragments as the PTX ISA lays them out (lane = 4 g + c;
     A: a0 row g cols 4c.., a1 row g + 8, a2 row g cols 16 + 4c.., a3 row g + 8; B: b0 rows 4c..
     col g, b1 rows 16 + 4c..; C / D: row g cols 2c, 2c + 1, then row g + 8). ins: operand
@@ -380,10 +439,12 @@ def run_asm(asm: str, ins: dict[int, list[int]], n_out: int) -> list[list[int]]:
 
     for line in asm.splitlines():
         line = line.strip()
-        if line.startswith(("shr.u32", "and.b32")):
+        if line.startswith(("shr.u32", "shl.b32", "and.b32", "or.b32")):
             d, x, y = ops(line)
             for r in regs:
-                r[d] = (r[x] >> int(y)) if line.startswith("shr") else (r[x] & int(y, 16))
+                v = r[y] if y in r else int(y, 0)
+                r[d] = {"shr": r[x] >> v, "shl": (r[x] << v) & 0xFFFFFFFF, "and": r[x] & v,
+                        "or.": r[x] | v}[line[:3]]
         elif line.startswith("mma"):
             o = ops(line)
             dn, an, bn, cn = o[0:4], o[4:8], o[8:10], o[10:14]
@@ -422,7 +483,7 @@ def selftest(bits: int, mask: bool = False, seed: int = 0) -> float:
     q = torch.randint(0, 2**bits, (32, 4 * g), generator=gen)
     x = torch.randn(1, 4 * g, generator=gen).to(torch.bfloat16)
     xd, _ = prep_x(x, bits, g, mask)
-    qa, _ = to_kernel_layout(q.to(torch.uint8), bits, g)  # [4 WA, 32]
+    qa, qb = to_kernel_layout(q.to(torch.uint8), bits, g)  # [4 WA, 32], 3-bit [4 WA / 2, 32]
     n_acc = 16 if mask else 8
     acc = [[0] * 32 for _ in range(n_acc)]
     lanes = range(32)
@@ -436,7 +497,15 @@ def selftest(bits: int, mask: bool = False, seed: int = 0) -> float:
             return [[int(qa[(lane % 4) * wa + r, 4 * (lane // 4) + j]) for lane in lanes]
                     for j in range(4)]
 
-        if mask and bits == 2:
+        if bits == 3:
+            for st in range(4):
+                ins = {16 + i: acc[i] for i in range(16)}
+                ins.update({32 + j: v for j, v in enumerate(words(4 * blk + st))})
+                ins.update({36 + j: [int(qb[(lane % 4) * (wa // 2) + st, 4 * (lane // 4) + j])
+                                     for lane in lanes] for j in range(4)})
+                ins.update({40 + f: xb[f] for f in range(16)})
+                acc = run_asm(asm_step3m(st, blk), ins, 16)
+        elif mask and bits == 2:
             for st in range(4):
                 ins = {16 + i: acc[i] for i in range(16)}
                 ins.update({32 + j: v for j, v in enumerate(words(4 * blk + st))})
@@ -477,6 +546,25 @@ def selftest(bits: int, mask: bool = False, seed: int = 0) -> float:
 def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, G: tl.constexpr, WA: tl.constexpr,
                    NB: tl.constexpr, MASK: tl.constexpr):
     _digits(x_ptr, xd_ptr, xg_ptr, tl.program_id(0), num_groups, G, WA, NB, MASK)
+
+
+@triton.jit
+def _digits_pdl_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, G: tl.constexpr, WA: tl.constexpr,
+                       NB: tl.constexpr, MASK: tl.constexpr):
+    """The digits as their own launch before the GEMV (one program per set), chained by PDL:
+    what a producer-less engine would pay per x."""
+    pdl.trigger()
+    pdl.wait()
+    _digits(x_ptr, xd_ptr, xg_ptr, tl.program_id(0), num_groups, G, WA, NB, MASK)
+
+
+def prep_digits(x: torch.Tensor, xd: torch.Tensor, xg: torch.Tensor, bits: int,
+                mask: bool) -> None:
+    """prep_x's (xd, xg) made on the GPU by one small launch (`_digits_pdl_kernel`)."""
+    pa = 4 if bits == 4 else 2
+    groups = x.shape[-1] // 128
+    _digits_pdl_kernel[(groups // 4,)](x, xd, xg, groups, G=128, WA=128 * pa // 32,
+                                       NB=nb(bits), MASK=mask, launch_pdl=pdl.ON.value)
 
 
 def digits_check(bits: int, mask: bool, k: int = 1024, seed: int = 0) -> float:
@@ -523,15 +611,24 @@ def bench_case(n: int, k: int, bits: int, cfgs: list, data: dict) -> None:
         xd, xg = xds[bool(mask)]
         if xprep:  # scratch: the kernel writes the digits there itself
             xd, xg = torch.full_like(xd, -1), torch.full_like(xg, float("nan"))
+        if xprep == 2:  # a separate digits launch before each GEMV
+            def fn(c):
+                prep_digits(x, xd, xg, bits, bool(mask))
+                return gemv_i8(xd, xg, layers[c][0], layers[c][2], bits, 128, y, reps, waves,
+                               cap or None, bool(cn), bool(mask), bool(early), None,
+                               layers[c][1] if bits == 3 else None)
+            return fn
         return lambda c: gemv_i8(xd, xg, layers[c][0], layers[c][2], bits, 128, y, reps, waves,
                                  cap or None, bool(cn), bool(mask), bool(early),
-                                 x if xprep else None)
+                                 x if xprep else None, layers[c][1] if bits == 3 else None)
 
     variants = [("tc engine", tc_fn(pdl.EARLY_WEIGHTS.get(bits, 0))), ("tc early 0", tc_fn(0))]
     names = set()
     for r, w, cap, cn, mask, early, xprep in cfgs:
+        if bits == 3 and (not mask or xprep == 1):  # (3-bit: asm_step3m only)
+            continue
         name = (f"i8 r{r} w{w} cap{cap}{' N' * cn}{' mask' * mask}{' early' * early}"
-                f"{' xprep' * xprep}")
+                f"{['', ' xprep', ' +prep'][xprep]}")
         if name not in names:
             names.add(name)
             variants.append((name, i8_fn(r, w, cap, cn, mask, early, xprep)))
@@ -561,14 +658,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="gemv_i8.json")
     ap.add_argument("--selftest", action="store_true", help="CPU: the PTX's operand order")
     ap.add_argument("--configs",
-                    default="2,24,128,1,1,0,0;2,24,0,1,1,0,0;2,24,128,1,1,1,0;2,24,0,1,1,1,0;"
-                            "2,24,128,1,1,1,1;2,24,0,1,1,1,1",
+                    default="2,24,168,1,1,1,0;2,16,168,1,1,1,0;2,24,128,1,1,1,0;"
+                            "2,24,168,1,1,1,2;2,16,168,1,1,1,2",
                     help="reps,waves,maxnreg (0: uncapped),const_n,mask (asm_pair4 / "
-                         "asm_step2m),early,xprep (0/1 each) of the i8 kernel, ';'-separated")
+                         "asm_step2m),early (0/1 each),xprep (1: in the kernel, 2: a "
+                         "launch before it) of the i8 kernel, ';'-separated")
+    ap.add_argument("--bits", default="2,3,4")
     args = ap.parse_args(argv)
     if args.selftest:
         errs = {"2": selftest(2), "4": selftest(4), "4 mask": selftest(4, True),
-                "2 mask": selftest(2, True)}
+                "2 mask": selftest(2, True), "3 mask": selftest(3, True)}
         if os.environ.get("TRITON_INTERPRET") == "1":
             errs.update({f"digits {b}{' mask' * m}": digits_check(b, m)
                          for b in (2, 4) for m in (False, True)})
@@ -582,7 +681,7 @@ def main(argv=None) -> int:
     data = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "triton": triton.__version__, "copy_gbs": copy_bandwidth(), "rows": []}
     for n, k in SHAPES:
-        for bits in (2, 4):
+        for bits in (int(b) for b in args.bits.split(",")):
             bench_case(n, k, bits, cfgs, data)
     data["seconds"] = time.time() - t0
     with open(args.out, "w") as f:
