@@ -11,10 +11,11 @@ cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy t
 step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul paths
 (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles (the
 default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores (the
-default now, also without a suffix); +fold = the residual add + RMSNorm folded into the batch-1
-GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its o_proj GEMV
-or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm in the
-output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
+default now, also without a suffix); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py)
+for the plain, SwiGLU and rscaled batch-1 GEMVs; +fold = the residual add + RMSNorm folded into
+the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its
+o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
+in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
 (engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one
 persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold
 = KDA's f_b / g_b computed in its decode kernel
@@ -406,7 +407,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile")}
+    paths = {"tc": ("tc", "tile"), "tc16": ("tc", "tc"), "fma": ("fma", "tile"),
+             "i8": ("i8", "tc")}
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,

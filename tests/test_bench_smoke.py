@@ -4,7 +4,6 @@ on a plain script error; its numbers here mean nothing and are not checked."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,20 +76,3 @@ def test_bench_quant_config_syntax():
     kw = bench_quant._tc_kwargs(cfgs[2], 4)
     assert kw["reps"] == 1 and "maxnreg" not in kw and kw["num_warps"] == 1
     assert bench_quant._tc_kwargs(cfgs[1], 3)["tma"] is True
-
-
-def test_diag_gemv_i8_ptx_operand_order():
-    """diag_gemv_i8's PTX, run on emulated lanes with mma.m16n8k32's fragment layout from the
-    PTX ISA, gives each lane its own group's sums of codes x digits (any wrong operand, digit
-    order or byte position gives thousands off), and under the interpreter its kernel's own
-    digits (XPREP) equal the host's."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf" / "kernels"))
-    import diag_gemv_i8
-
-    for bits, mask in ((2, False), (4, False), (2, True), (4, True)):
-        assert diag_gemv_i8.selftest(bits, mask, seed=1) == 0, (bits, mask)
-    script = Path(diag_gemv_i8.__file__)
-    r = subprocess.run([sys.executable, str(script), "--selftest"], capture_output=True,
-                       text=True, timeout=300,
-                       env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
-    assert r.returncode == 0 and "'digits 4 mask': 0" in r.stdout, r.stdout + r.stderr[-2000:]

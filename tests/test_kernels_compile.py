@@ -47,7 +47,8 @@ def _install_fake_driver() -> list[str]:
         compiled.append(self.__name__)
         if kwargs.get("launch_pdl"):
             PDL_PTX.append((self.__name__, kernel.asm["ptx"]))
-        if self.__name__ in ("gemv_tc_kernel", "gemm_tc_kernel", "gemv_chain_kernel"):
+        if self.__name__ in ("gemv_tc_kernel", "gemm_tc_kernel", "gemv_chain_kernel",
+                             "gemv_i8_kernel"):
             TC_TTGIR.append((self.__name__, kernel.asm["ttgir"]))
         return kernel
 
@@ -235,6 +236,14 @@ def compile_all() -> list[str]:
             # with the MLP's SwiGLU in the x loads (x = the gate_up output)
             quant.quant_matmul(torch.randn(m, 2048, dtype=bf), qa, qb, sz, bits, 128,
                                swiglu=True)
+        quant.GEMV_PATH = "i8"  # the integer tensor-core GEMV: plain, SwiGLU, the norm's scale
+        quant.quant_matmul(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128)
+        quant.quant_matmul(torch.randn(1, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
+        assert quant.quant_matmul_rscaled(torch.randn(1, 1024, dtype=bf), torch.rand(8), 1e-6,
+                                          qa, qb, sz, bits, 128) is not None
+        quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
+                              early=False, splits=1)
+        quant.GEMV_PATH = "tc"
         for m in (1, 4):  # two stacked linears on two inputs (KDA's f_b, g_b)
             quant.quant_matmul_grouped(torch.randn(m, 2, 1024, dtype=bf), qa, qb, sz, bits, 128)
         # the set loop pipelined through shared memory (cp.async; opt-in config)
@@ -308,7 +317,8 @@ def test_kernels_compile_for_sm90(pdl):
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
                 "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel",
                 "quant_matmul_kernel",
-                "dequant_kernel", "gemv_tc_kernel", "gemv_chain_kernel"}
+                "dequant_kernel", "gemv_tc_kernel", "gemv_chain_kernel", "gemv_i8_kernel",
+                "_digits_kernel"}
     assert expected <= names, f"not compiled: {expected - names}"
 
 

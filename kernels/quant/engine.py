@@ -21,7 +21,7 @@ import os
 import torch
 
 from volundr.kernels.norm.engine import swiglu as swiglu_kernel
-from volundr.kernels.quant import gemm_tc, gemv_chain, gemv_tc
+from volundr.kernels.quant import gemm_tc, gemv_chain, gemv_i8, gemv_tc
 from volundr.kernels.quant.gemm import dequant_matmul, dequantize_t
 from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 
@@ -32,9 +32,13 @@ GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, 
 # Volundr-32B decode 98 -> 122 tok/s, 16 streams 766 -> 961, same greedy ids);
 # VOLUNDR_QUANT_GEMV=fma, read once at import, goes back. reps=2, waves=24 is the best config
 # at every measured shape and bit width; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path.
+# VOLUNDR_QUANT_GEMV=i8 (opt-in until measured end to end): the integer tensor-core GEMV
+# (gemv_i8.py; H100 run 82: 0.71-0.94x gemv_tc's time at 2 and 3 bits, 0.90-1.02x at 4, its
+# digits launch included 0.78-0.97x, 1.25x at 5120x5120 4-bit) for the plain, SwiGLU and
+# rscaled GEMVs; the fused norm / gated-norm / residual paths stay on gemv_tc.
 GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "tc")
-if GEMV_PATH not in ("fma", "tc"):
-    raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma or tc, not {GEMV_PATH!r}")
+if GEMV_PATH not in ("fma", "tc", "i8"):
+    raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma, tc or i8, not {GEMV_PATH!r}")
 # maxnreg 128 (H200 sweep, perf/RESULTS.md "Session 5"): 2-bit (148 registers uncapped, one
 # warp more per SM capped) 1-9% faster at the engine's shapes (5120x5120: 4% slower, unused at
 # 2 bits); 4-bit (110 uncapped: the cap only changes ptxas's schedule) the lm_head 1.30x, the
@@ -106,8 +110,14 @@ FUSED_MAX_M = 128
 def _takes_gemv_tc(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> bool:
     """Whether a call with x [M, K'] (K = k inputs per row) and N = n outputs goes to the
     tensor-core GEMV: M = 1, the tc path on, both dims at the size floor, a supported format."""
-    return (x.shape[0] == 1 and GEMV_PATH == "tc" and min(k, n) >= TC_MIN_DIM
+    return (x.shape[0] == 1 and GEMV_PATH in ("tc", "i8") and min(k, n) >= TC_MIN_DIM
             and gemv_tc.supported(x, bits, group_size, n))
+
+
+def _takes_gemv_i8(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> bool:
+    """Whether an M = 1 call goes to the integer tensor-core GEMV (VOLUNDR_QUANT_GEMV=i8)."""
+    return (GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
+            and gemv_i8.supported(x, bits, group_size, n, k))
 
 
 def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
@@ -122,6 +132,9 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     m = x.shape[0]
     n = qa.shape[1]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
+    if _takes_gemv_i8(x, k, n, bits, group_size):
+        return gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
+                               **gemv_i8.CONFIG[bits])
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
@@ -219,6 +232,9 @@ def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: tor
     if not (RESIDUAL_NORM_FOLD and _takes_gemv_tc(xw, xw.shape[1], qa.shape[1], bits, group_size)
             and xw.is_contiguous() and ss.is_contiguous() and ss.dim() == 1):
         return None
+    if _takes_gemv_i8(xw, xw.shape[1], qa.shape[1], bits, group_size):
+        return gemv_i8.gemv_i8(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
+                               **gemv_i8.CONFIG[bits])
     return gemv_tc.gemv_tc(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
                            **tc_config(bits, qa.shape[1], xw.shape[1]))
 
