@@ -263,7 +263,8 @@ def test_cuda_gemv_i8(bits, n, k):
 @gpu
 def test_cuda_engine_i8_path(monkeypatch):
     """VOLUNDR_QUANT_GEMV=i8: quant_matmul (plain, SwiGLU) and quant_matmul_rscaled take
-    gemv_i8 and agree with gemv_tc's results to the digits' precision."""
+    gemv_i8 and agree with gemv_tc's results to the digits' precision; a small 4-bit weight
+    stays on gemv_tc."""
     from volundr.kernels.quant import engine
 
     n, k, bits = 5120, 5120, 3
@@ -285,6 +286,10 @@ def test_cuda_engine_i8_path(monkeypatch):
     assert len(called) == 3
     for a, b in zip(tc, i8):
         assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 4e-3
+    small = _layer(n, k, 4, 8)  # 4-bit below I8_MIN_WEIGHTS_4BIT: gemv_tc (no digits)
+    y = engine.quant_matmul(x, *small, 4, 128)
+    assert len(called) == 3
+    assert torch.equal(y, engine.gemv_tc.gemv_tc(x, *small, 4, 128, **engine.tc_config(4, n, k)))
 
 
 if __name__ == "__main__":

@@ -114,9 +114,16 @@ def _takes_gemv_tc(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) 
             and gemv_tc.supported(x, bits, group_size, n))
 
 
+# 4-bit weights below this many take gemv_tc on the i8 path too: with its digits launch gemv_i8
+# is 1.25x gemv_tc's time at 5120x5120 (run 82), and in decode (run 84) the 4-bit qkv
+# (5632x5120) and Engram k / v (5120x2048) projections were slower (10.9 vs 9.3, 7.3 vs 5.2 us)
+I8_MIN_WEIGHTS_4BIT = 1 << 26
+
+
 def _takes_gemv_i8(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> bool:
     """Whether an M = 1 call goes to the integer tensor-core GEMV (VOLUNDR_QUANT_GEMV=i8)."""
     return (GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
+            and (bits != 4 or n * k >= I8_MIN_WEIGHTS_4BIT)
             and gemv_i8.supported(x, bits, group_size, n, k))
 
 
