@@ -255,6 +255,14 @@ def test_cuda_gemv_i8(bits, n, k):
     ss = torch.rand(7, device="cuda") * k
     y = gi.gemv_i8(x, *layer, bits, 128, rscale=(ss, 1e-6))
     assert rel(y, ref * torch.rsqrt(ss.sum() / k + 1e-6)) < 4e-3
+    r, w = (torch.randn(1, n, device="cuda").to(torch.bfloat16) for _ in range(2))
+    for kw in ({}, {"splits": 1}):  # the residual epilogue (split-K's last program and not)
+        xs, ss = torch.empty_like(r), torch.full((n // 64,), float("nan"), device="cuda")
+        h = gi.gemv_i8(x, *layer, bits, 128, residual=(r, w, xs, ss), **kw)
+        href = (ref.to(torch.bfloat16).float() + r.float()).to(torch.bfloat16).float()
+        assert rel(h, href) < 4e-3
+        assert torch.equal(xs, (h.float() * w.float()).to(torch.bfloat16))
+        assert torch.allclose(ss.sum(), (h.float() ** 2).sum(), rtol=1e-4)
     digits = gi.x_digits(x, bits)  # shared by two GEMVs
     assert torch.equal(gi.gemv_i8(x, *layer, bits, 128, digits=digits),
                        gi.gemv_i8(x, *layer, bits, 128))
@@ -262,9 +270,9 @@ def test_cuda_gemv_i8(bits, n, k):
 
 @gpu
 def test_cuda_engine_i8_path(monkeypatch):
-    """VOLUNDR_QUANT_GEMV=i8: quant_matmul (plain, SwiGLU) and quant_matmul_rscaled take
-    gemv_i8 and agree with gemv_tc's results to the digits' precision; a small 4-bit weight
-    stays on gemv_tc."""
+    """VOLUNDR_QUANT_GEMV=i8: quant_matmul (plain, SwiGLU), quant_matmul_rscaled and
+    quant_matmul_residual_norm take gemv_i8 and agree with gemv_tc's results to the digits'
+    precision; a small 4-bit weight stays on gemv_tc."""
     from volundr.kernels.quant import engine
 
     n, k, bits = 5120, 5120, 3
@@ -272,23 +280,28 @@ def test_cuda_engine_i8_path(monkeypatch):
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     gu = torch.randn(1, 2 * k, device="cuda").to(torch.bfloat16)
     ss = torch.rand(5, device="cuda") * k
+    r, w = (torch.randn(1, n, device="cuda").to(torch.bfloat16) for _ in range(2))
+
+    def run():
+        h, xw, hs = engine.quant_matmul_residual_norm(gu, r, w, *layer, bits, 128, swiglu=True)
+        return (engine.quant_matmul(x, *layer, bits, 128),
+                engine.quant_matmul(gu, *layer, bits, 128, swiglu=True),
+                engine.quant_matmul_rscaled(x, ss, 1e-6, *layer, bits, 128), h, xw,
+                hs.sum().reshape(1, 1))
+
     monkeypatch.setattr(engine, "GEMV_PATH", "tc")
-    tc = (engine.quant_matmul(x, *layer, bits, 128),
-          engine.quant_matmul(gu, *layer, bits, 128, swiglu=True),
-          engine.quant_matmul_rscaled(x, ss, 1e-6, *layer, bits, 128))
+    tc = run()
     monkeypatch.setattr(engine, "GEMV_PATH", "i8")
     called = []
     monkeypatch.setattr(gi, "x_digits", lambda *a, _f=gi.x_digits, **k: called.append(1)
                         or _f(*a, **k))
-    i8 = (engine.quant_matmul(x, *layer, bits, 128),
-          engine.quant_matmul(gu, *layer, bits, 128, swiglu=True),
-          engine.quant_matmul_rscaled(x, ss, 1e-6, *layer, bits, 128))
-    assert len(called) == 3
+    i8 = run()
+    assert len(called) == 4
     for a, b in zip(tc, i8):
         assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 4e-3
     small = _layer(n, k, 4, 8)  # 4-bit below I8_MIN_WEIGHTS_4BIT: gemv_tc (no digits)
     y = engine.quant_matmul(x, *small, 4, 128)
-    assert len(called) == 3
+    assert len(called) == 4
     assert torch.equal(y, engine.gemv_tc.gemv_tc(x, *small, 4, 128, **engine.tc_config(4, n, k)))
 
 

@@ -243,6 +243,9 @@ def compile_all() -> list[str]:
                                           qa, qb, sz, bits, 128) is not None
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
                               early=False, splits=1)
+        v = torch.randn(3, 1, 256, dtype=bf)  # the residual epilogue (the MLP's down_proj)
+        assert quant.quant_matmul_residual_norm(torch.randn(1, 2048, dtype=bf), v[0], v[1, 0],
+                                                qa, qb, sz, bits, 128, swiglu=True)
         quant.GEMV_PATH = "tc"
         for m in (1, 4):  # two stacked linears on two inputs (KDA's f_b, g_b)
             quant.quant_matmul_grouped(torch.randn(m, 2, 1024, dtype=bf), qa, qb, sz, bits, 128)

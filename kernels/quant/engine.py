@@ -34,8 +34,8 @@ GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, 
 # at every measured shape and bit width; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path.
 # VOLUNDR_QUANT_GEMV=i8 (opt-in until measured end to end): the integer tensor-core GEMV
 # (gemv_i8.py; H100 run 82: 0.71-0.94x gemv_tc's time at 2 and 3 bits, 0.90-1.02x at 4, its
-# digits launch included 0.78-0.97x, 1.25x at 5120x5120 4-bit) for the plain, SwiGLU and
-# rscaled GEMVs; the fused norm / gated-norm / residual paths stay on gemv_tc.
+# digits launch included 0.78-0.97x, 1.25x at 5120x5120 4-bit) for the plain, SwiGLU, rscaled
+# and residual-epilogue GEMVs; the fused norm and gated-norm paths stay on gemv_tc.
 GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "tc")
 if GEMV_PATH not in ("fma", "tc", "i8"):
     raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma, tc or i8, not {GEMV_PATH!r}")
@@ -221,6 +221,13 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
             and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
             and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
         return None
+    if gscale is None and _takes_gemv_i8(x, k, n, bits, group_size):
+        cfg = gemv_i8.CONFIG[bits]
+        h, xw = torch.empty_like(residual), torch.empty_like(residual)
+        ss = torch.empty(1, n // (32 * cfg["reps"]), dtype=torch.float32, device=x.device)
+        gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu,
+                        residual=(residual, norm_weight, xw, ss), **cfg)
+        return h, xw, ss
     cfg = tc_config(bits, n, k)
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
     ss = torch.empty(1, gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]), dtype=torch.float32,

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from volundr.kernels import pdl
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
-from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
+from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue
 
 XMAX = 127 * 128 + 63  # largest |xi|: d1 in [-127, 127], d0 in [-64, 63]
 XMAX_C = tl.constexpr(XMAX)
@@ -216,12 +216,15 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
                    N: tl.constexpr, BITS: tl.constexpr, WA: tl.constexpr, NB: tl.constexpr,
                    L: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
                    ASM_STEP: tl.constexpr, CONS: tl.constexpr, EARLY: tl.constexpr,
-                   RSCALE: tl.constexpr, NRS: tl.constexpr):
+                   RSCALE: tl.constexpr, NRS: tl.constexpr, RES: tl.constexpr = False,
+                   r_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); N a multiple of BN (known to
     the compiler: a load's row offset is an immediate) and whole sets of 4 groups, so no masks.
     Lane (quad, c) accumulates rows 4 (Q l + quad) + j over group c of each set. EARLY: each
     set's first block of A words (and 3-bit's B words) is loaded before PDL's wait (weights are
-    never written by an earlier kernel). RSCALE: y times rsqrt(sum(rs[:n_rs]) / K + eps)."""
+    never written by an earlier kernel). RSCALE: y times rsqrt(sum(rs[:n_rs]) / K + eps).
+    RES: gemv_tc's residual epilogue (h = y + r into y, h w into xs, the tile's sum of h^2 into
+    ss[pid_n])."""
     pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -297,11 +300,16 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
         tl.debug_barrier()  # every thread's partial is written before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
-            tot = sum_splits(ws_ptr + n3, N, num_splits, n3 < N, y)
-            tl.store(y_ptr + n3, (tot * f).to(y_ptr.dtype.element_ty))
+            tot = sum_splits(ws_ptr + n3, N, num_splits, n3 < N, y) * f
+            if RES:
+                tot = _residual_epilogue(tot, n3, n3 < N, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
+            tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty))
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
-        tl.store(y_ptr + n3, (y * f).to(y_ptr.dtype.element_ty))
+        y = y * f
+        if RES:
+            y = _residual_epilogue(y, n3, n3 < N, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
+        tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty))
 
 
 def supported(x: torch.Tensor, bits: int, group_size: int, n: int, k: int,
@@ -317,11 +325,13 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             group_size: int = 128, out: torch.Tensor | None = None, swiglu: bool = False,
             digits: tuple | None = None, rscale: tuple | None = None, reps: int = 2,
             waves: float = 24.0, maxnreg: int | None = 168, early: bool = True,
-            splits: int | None = None) -> torch.Tensor:
+            splits: int | None = None, residual: tuple | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`).
     x's digits from `x_digits` (one launch; swiglu: x [1, 2K] = (gate, up) and y = (SiLU(gate)
     * up) @ W^T), or `digits` = (xd, xg) made before (one x feeding several GEMVs). rscale =
-    (rs [P] fp32, eps): y times rsqrt(sum(rs) / K + eps) (engine.quant_matmul_rscaled)."""
+    (rs [P] fp32, eps): y times rsqrt(sum(rs) / K + eps) (engine.quant_matmul_rscaled).
+    residual = (r, w, xs, ss): out = h = y + r, xs = h w, ss [N / 32 reps] fp32 the tiles'
+    sums of h^2 (engine.quant_matmul_residual_norm; gemv_tc's epilogue)."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
     assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
@@ -337,6 +347,12 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     assert rs.dtype == torch.float32 and rs.dim() == 1
     n_rs = rs.numel() if rscale is not None else 1
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if residual is not None:
+        res, w, xs, ss = residual
+        assert (out.dtype == x.dtype and ss.dtype == torch.float32 and ss.numel() == n_tiles
+                and all(t.dtype == x.dtype and t.is_contiguous() and t.numel() == n
+                        for t in (res, w, xs))), "residual: r, nw, xs [N] x's dtype, ss [tiles]"
+        kw.update(r_ptr=res, nw_ptr=w, xs_ptr=xs, ss_ptr=ss, RES=True)
     gemv_i8_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, rs, num_groups, sps, ns,
         n_rs, eps, N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps,
