@@ -12,7 +12,7 @@ step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit 
 (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles (the
 default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores (the
 default now, also without a suffix); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py)
-for the plain, SwiGLU and rscaled batch-1 GEMVs; +fold = the residual add + RMSNorm folded into
+for the plain, SwiGLU, rscaled and residual batch-1 GEMVs; +fold = the residual add + RMSNorm into
 the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its
 o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
 in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
