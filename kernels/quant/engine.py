@@ -32,10 +32,11 @@ GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, 
 # Volundr-32B decode 98 -> 122 tok/s, 16 streams 766 -> 961, same greedy ids);
 # VOLUNDR_QUANT_GEMV=fma, read once at import, goes back. reps=2, waves=24 is the best config
 # at every measured shape and bit width; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path.
-# VOLUNDR_QUANT_GEMV=i8 (opt-in until measured end to end): the integer tensor-core GEMV
-# (gemv_i8.py; H100 run 82: 0.71-0.94x gemv_tc's time at 2 and 3 bits, 0.90-1.02x at 4, its
-# digits launch included 0.78-0.97x, 1.25x at 5120x5120 4-bit) for the plain, SwiGLU, rscaled
-# and residual-epilogue GEMVs; the fused norm and gated-norm paths stay on gemv_tc.
+# VOLUNDR_QUANT_GEMV=i8 (opt-in until run on an H200 and under the full CUDA suite): the
+# integer tensor-core GEMV (gemv_i8.py; H100 run 82: 0.71-0.86x gemv_tc's time at 2 and 3 bits,
+# 0.86-0.90x at 4 (1.02x at 5120x5120), its digits launch included 0.78-0.97x (1.25x at
+# 5120x5120 4-bit); decode 140.4 -> 162.9 tok/s, run 86) for the plain, SwiGLU, rscaled and
+# residual-epilogue GEMVs; the fused norm and gated-norm paths stay on gemv_tc.
 GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "tc")
 if GEMV_PATH not in ("fma", "tc", "i8"):
     raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma, tc or i8, not {GEMV_PATH!r}")

@@ -21,9 +21,10 @@ Codes per A register (4 bytes = 4 weights of one word, bytes b -> slots NB b + e
   4-bit (`asm_pair4`): w & 0x0F0F0F0F and w & 0xF0F0F0F0 (16 q: summed apart, / 16 at the end)
   2-bit (`asm_step2m`): w, w >> 4 each & 0x03030303 (x 1) and & 0x0C0C0C0C (4 q, apart, / 4)
   3-bit (`asm_step3m`): the 2-bit plane's bytes with the 1-bit plane's bit merged in
-0.3-0.75 ALU instructions per weight. H100 (run 82): 0.71-0.94x gemv_tc's time at 2 and 3
-bits, 0.90-1.02x at 4 bits, the digits launch adding ~1.1 us. The PTX's operand order is
-checked on the CPU against mma's fragment layout (tests/test_gemv_i8.py emulates the lanes).
+0.3-0.75 ALU instructions per weight. H100 (run 82): 0.71-0.86x gemv_tc's time at 2 and 3
+bits, 0.86-0.90x at 4 bits (1.02x at 5120x5120), the digits launch adding ~1.1 us. The PTX's
+operand order is checked on the CPU against mma's fragment layout (tests/test_gemv_i8.py
+emulates the lanes).
 """
 
 from __future__ import annotations
