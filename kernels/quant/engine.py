@@ -222,19 +222,19 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
             and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
             and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
         return None
-    if gscale is None and _takes_gemv_i8(x, k, n, bits, group_size):
-        cfg = gemv_i8.CONFIG[bits]
-        h, xw = torch.empty_like(residual), torch.empty_like(residual)
-        ss = torch.empty(1, n // (32 * cfg["reps"]), dtype=torch.float32, device=x.device)
-        gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu,
-                        residual=(residual, norm_weight, xw, ss), **cfg)
-        return h, xw, ss
-    cfg = tc_config(bits, n, k)
+    i8 = gscale is None and _takes_gemv_i8(x, k, n, bits, group_size)
+    cfg = gemv_i8.CONFIG[bits] if i8 else tc_config(bits, n, k)
+    tiles = (gemv_i8.tiles(n, cfg["reps"]) if i8
+             else gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]))
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
-    ss = torch.empty(1, gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]), dtype=torch.float32,
-                     device=x.device)
-    gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, gscale=gscale,
-                    residual=(residual, norm_weight, xw, ss), **cfg)
+    ss = torch.empty(1, tiles, dtype=torch.float32, device=x.device)
+    res = (residual, norm_weight, xw, ss)
+    if i8:
+        gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, residual=res,
+                        **cfg)
+    else:
+        gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, gscale=gscale,
+                        residual=res, **cfg)
     return h, xw, ss
 
 

@@ -37,9 +37,9 @@ import triton.language as tl
 
 from volundr.kernels import pdl
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
-from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue
+from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue, residual_kwargs
+from volundr.kernels.quant.naive import XMAX
 
-XMAX = 127 * 128 + 63  # largest |xi|: d1 in [-127, 127], d0 in [-64, 63]
 XMAX_C = tl.constexpr(XMAX)
 # per bit width (H100 run 82): reps (BN = 32 reps), programs per SM, register cap
 CONFIG = {2: dict(reps=2, waves=16.0, maxnreg=168), 3: dict(reps=2, waves=16.0, maxnreg=168),
@@ -54,6 +54,11 @@ def nb(bits: int) -> int:
 def plane_rows(bits: int, g: int = 128) -> int:
     """WA: A-plane word rows per group."""
     return g * (4 if bits == 4 else 2) // 32
+
+
+def tiles(n: int, reps: int = 2) -> int:
+    """Programs along N (output tiles of 32 reps rows): the residual epilogue's ss entries."""
+    return n // (32 * reps)
 
 
 # ---- inline PTX (operands: see each docstring; D / C of tile t = words 2t, 2t + 1 as A rows
@@ -338,8 +343,7 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
     xd, xg = digits if digits is not None else x_digits(x, bits, group_size, swiglu)
     num_groups = k // group_size
-    bn = 32 * reps
-    n_tiles = n // bn
+    n_tiles = tiles(n, reps)
     sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -349,11 +353,7 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     n_rs = rs.numel() if rscale is not None else 1
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
     if residual is not None:
-        res, w, xs, ss = residual
-        assert (out.dtype == x.dtype and ss.dtype == torch.float32 and ss.numel() == n_tiles
-                and all(t.dtype == x.dtype and t.is_contiguous() and t.numel() == n
-                        for t in (res, w, xs))), "residual: r, nw, xs [N] x's dtype, ss [tiles]"
-        kw.update(r_ptr=res, nw_ptr=w, xs_ptr=xs, ss_ptr=ss, RES=True)
+        kw.update(residual_kwargs(residual, out, x.dtype, n, n_tiles))
     gemv_i8_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, rs, num_groups, sps, ns,
         n_rs, eps, N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps,

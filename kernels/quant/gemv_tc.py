@@ -699,6 +699,17 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int) -> bool:
             and wa % (8 if bits == 3 else 4) == 0)
 
 
+def residual_kwargs(residual: tuple, out: torch.Tensor, dtype: torch.dtype, n: int,
+                    n_tiles: int) -> dict:
+    """The RES epilogue's kernel arguments (`_residual_epilogue`) from residual = (r, nw, xs,
+    ss), checked: r, nw, xs [N] and out in x's dtype, ss [tiles] fp32."""
+    res, w, xs, ss = residual
+    assert (out.dtype == dtype and ss.dtype == torch.float32 and ss.numel() == n_tiles
+            and all(t.dtype == dtype and t.is_contiguous() and t.numel() == n
+                    for t in (res, w, xs))), "residual: r, nw, xs [N] x's dtype, ss [tiles]"
+    return dict(r_ptr=res, nw_ptr=w, xs_ptr=xs, ss_ptr=ss, RES=True)
+
+
 def tiles(n: int, reps: int = 4, num_warps: int = 1) -> int:
     """Programs along N (output tiles of 32 reps num_warps rows) of a gemv_tc call."""
     return triton.cdiv(n, 32 * reps * num_warps)
@@ -797,11 +808,7 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
                 and gs.shape[0] == num_groups), "gscale: gs [num_groups, P] fp32, contiguous"
         nkw = dict(gs_ptr=gs, eps=float(eps), GSCALE=True, NPART=gs.shape[1])
     if residual is not None:
-        res, w, xs, ss = residual
-        assert (out.dtype == x.dtype and ss.dtype == torch.float32 and ss.numel() == n_tiles
-                and all(t.dtype == x.dtype and t.is_contiguous() and t.numel() == n
-                        for t in (res, w, xs))), "residual: r, nw, xs [N] x's dtype, ss [tiles]"
-        nkw.update(r_ptr=res, nw_ptr=w, xs_ptr=xs, ss_ptr=ss, RES=True)
+        nkw.update(residual_kwargs(residual, out, x.dtype, n, n_tiles))
     if rscale is not None:
         rs, eps = rscale
         assert rs.dtype == torch.float32 and rs.dim() == 1, "rscale: rs [P] fp32"

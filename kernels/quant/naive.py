@@ -42,8 +42,11 @@ def naive_quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: 
     return (x.to(torch.float32) @ w.t()).to(x.dtype)
 
 
+XMAX = 127 * 128 + 63  # largest |xi| of gemv_i8's digits: d1 in [-127, 127], d0 in [-64, 63]
+
+
 def naive_x_digits(x: torch.Tensor, bits: int, group_size: int = 128, swiglu: bool = False,
-                   xmax: int = 127 * 128 + 63) -> tuple[torch.Tensor, torch.Tensor]:
+                   xmax: int = XMAX) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, K] -> x's int8 digits for gemv_i8.py (its docstring has the math), in the order
     its PTX reads them: (xd int32 [2, K / G, WA, NB], xg fp32 [K / G, 2] = (sx, sx sum xi)).
     xd[d, grp] holds digit d (0: d1, 1: d0) of k = grp G + (NB b + e) WA + r (pack.py's
