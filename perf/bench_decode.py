@@ -11,8 +11,10 @@ cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy t
 step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul paths
 (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles (the
 default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores (the
-default now, also without a suffix); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py)
-for the plain, SwiGLU, rscaled and residual batch-1 GEMVs; +fold = the residual add + RMSNorm into
+default before 2026-12-05); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py) for the
+plain, SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without a suffix),
++dig / +nodig = with it x's digits written by the residual epilogues or made by a launch before
+each GEMV (engine.DIGITS_EPILOGUE); +fold = the residual add + RMSNorm into
 the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its
 o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
 in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
@@ -412,7 +414,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     defaults = (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
-                kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN)
+                kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
+                qengine.DIGITS_EPILOGUE)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -424,6 +427,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.RESIDUAL_NORM_FOLD = sfx == "rfold"
         elif sfx in ("chain", "nochain"):  # an MLP's two GEMVs in one launch / not
             qengine.GEMV_CHAIN = sfx == "chain"
+        elif sfx in ("dig", "nodig"):  # i8: x's digits from the epilogues / launches
+            qengine.DIGITS_EPILOGUE = sfx == "dig"
         elif sfx in ("lrfold", "nolrfold"):  # KDA's f_b / g_b in its decode kernel / not
             kengine.LOW_RANK_FOLD = sfx == "lrfold"
         elif sfx in ("late", "top"):
@@ -457,6 +462,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
+                             "dig, nodig, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm)")
     try:
@@ -469,7 +475,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         (qengine.GEMV_PATH, qengine.GEMM16_PATH, qengine.NORM_FOLD, pdl.LATE_TRIGGER,
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
-         kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN) = defaults
+         kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
+         qengine.DIGITS_EPILOGUE) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list[dict]:

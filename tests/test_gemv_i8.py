@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from volundr.kernels.quant import gemv_i8 as gi
-from volundr.kernels.quant.naive import naive_quant_matmul, naive_x_digits
+from volundr.kernels.quant.naive import XMAX, naive_quant_matmul, naive_x_digits
 from volundr.kernels.quant.pack import to_kernel_layout
 
 CUDA = torch.cuda.is_available()
@@ -126,7 +126,7 @@ def emulated_error(bits: int, seed: int = 0, asm=None) -> int:
     s0 = torch.tensor(acc[4:8]).t() + (torch.tensor(acc[12:16]).t() >> (8 // n_b))
     xf = x.float().view(4, g)
     amax = xf.abs().amax(1, keepdim=True)
-    xi = torch.floor(xf * (gi.XMAX / amax) + 0.5).clamp(-gi.XMAX, gi.XMAX).to(torch.int64)
+    xi = torch.floor(xf * (XMAX / amax) + 0.5).clamp(-XMAX, XMAX).to(torch.int64)
     d1 = torch.div(xi + 64, 128, rounding_mode="floor")
     d0 = xi - 128 * d1
     err = 0
@@ -212,11 +212,7 @@ def check_digits(device: str) -> None:
                                   rtol=1e-5, atol=1e-6), (bits, swiglu)
 
 
-# ---- CUDA ----------------------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-
-
-def _layer(n: int, k: int, bits: int, seed: int):
+def _layer(n: int, k: int, bits: int, seed: int, device: str = "cuda"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
     qa, qb = to_kernel_layout(q, bits, 128)
@@ -224,12 +220,55 @@ def _layer(n: int, k: int, bits: int, seed: int):
     z = (torch.rand(n, k // 128, generator=gen) * (2**bits - 1)).to(torch.bfloat16)
     from volundr.kernels.quant.pack import pack_scale_zero
 
-    return qa.cuda(), qb.cuda(), pack_scale_zero(s, z).cuda()
+    return qa.to(device), qb.to(device), pack_scale_zero(s, z).to(device)
+
+
+def check_digits_epilogue(device: str, n: int = 512, k: int = 512) -> None:
+    """A residual epilogue with out_digits writes x' = h w's digits for either consumer
+    width exactly as x_digits(x') makes them, with one tile per group (reps 4) and two (reps
+    2: the second tile to finish writes them), split-K and not, twice in a row (the group
+    counters are left at zero); gemv_tc (runs in the interpreter) and, on CUDA, gemv_i8.
+    A group of x' all zero gives sx = 1 and zero digits."""
+    from volundr.kernels.quant import digits as dgt
+    from volundr.kernels.quant.gemv import _workspace
+    from volundr.kernels.quant.gemv_tc import gemv_tc
+
+    gen = torch.Generator().manual_seed(5)
+    x, r, w = (torch.randn(1, d, generator=gen).to(torch.bfloat16).to(device)
+               for d in (k, n, n))
+    w[0, 128:256] = 0
+    runs = [(gemv_tc, 4, dict(reps=r_, splits=sp)) for r_ in (2, 4) for sp in (1, 2)]
+    if device == "cuda":
+        runs += [(gi.gemv_i8, b, dict(splits=sp)) for b in (2, 3, 4) for sp in (1, 2)]
+    for fn, bits, kw in runs:
+        layer = _layer(n, k, bits, bits, device)
+        bn = 32 * kw.get("reps", 2)
+        for _ in range(2):
+            xs = torch.full_like(r, 100.0)  # (a read of xs before its store would show)
+            ss = torch.empty(n // bn, dtype=torch.float32, device=device)
+            dg = dgt.empty(n, x.device).fill_(-1)
+            fn(x, *layer, bits, 128, residual=(r, w, xs, ss), out_digits=dg, **kw)
+            for b in (2, 3, 4):  # (xi as in check_digits: within one where fp32 rounds)
+                xd, xg = dgt.views(dg, b)
+                rd, rg = dgt.x_digits(xs, b)
+                diff = (_xi(xd) - _xi(rd)).abs()
+                assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (fn, bits, kw, b)
+                assert torch.equal(xg[:, 0], rg[:, 0]), (fn.__name__, bits, kw, b)
+                assert torch.allclose(xg[:, 1], rg[:, 1], rtol=1e-4, atol=1e-4 * rg[:, 0].max())
+            assert (xg[1] == torch.tensor([1.0, 0.0], device=device)).all()
+        cnt = _workspace(x.device, 1, 1)[1]
+        assert not cnt.any(), "group counters left at zero"
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 @gpu
 def test_cuda_digits():
     check_digits("cuda")
+    check_digits_epilogue("cuda", 5120, 5120)
+    check_digits_epilogue("cuda", 1024, 17408)
 
 
 @gpu
@@ -283,7 +322,8 @@ def test_cuda_engine_i8_path(monkeypatch):
     r, w = (torch.randn(1, n, device="cuda").to(torch.bfloat16) for _ in range(2))
 
     def run():
-        h, xw, hs = engine.quant_matmul_residual_norm(gu, r, w, *layer, bits, 128, swiglu=True)
+        h, xw, hs, _ = engine.quant_matmul_residual_norm(gu, r, w, *layer, bits, 128,
+                                                         swiglu=True)
         return (engine.quant_matmul(x, *layer, bits, 128),
                 engine.quant_matmul(gu, *layer, bits, 128, swiglu=True),
                 engine.quant_matmul_rscaled(x, ss, 1e-6, *layer, bits, 128), h, xw,
@@ -308,4 +348,5 @@ def test_cuda_engine_i8_path(monkeypatch):
 if __name__ == "__main__":
     if sys.argv[1:] == ["digits"]:
         check_digits("cpu")
+        check_digits_epilogue("cpu")
         print("digits ok")

@@ -183,7 +183,8 @@ def run_cpu() -> None:
     engine.RESIDUAL_NORM_FOLD = False
     assert engine.quant_matmul_residual_norm(*args) is None
     engine.RESIDUAL_NORM_FOLD = True
-    h, xw, ss = engine.quant_matmul_residual_norm(*args)
+    h, xw, ss, dg = engine.quant_matmul_residual_norm(*args)
+    assert dg is None  # (x's digits: on the i8 path only)
     assert h.shape == xw.shape == (1, 256) and ss.shape == (1, 4)  # 4 tiles of 64 rows
     assert engine.quant_matmul_rscaled(xw, ss[0], EPS, qa, qb, sz, 4, 128).shape == (1, 256)
     assert engine.quant_matmul_residual_norm(x, x, x[0], qa, qb, sz, 4, 128) is None

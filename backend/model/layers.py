@@ -67,11 +67,13 @@ class Normed:
     made (h = y + residual, in its GEMV's epilogue), held as xw = h * weight [T, d] and fp32
     partial sums of squares ss [T, P], the scale rsqrt(sum(ss) / d + eps) left to the next
     input projection, which folds it into its GEMV at M = 1 (`QuantLinear.forward`); anything
-    else calls `value()`."""
+    else calls `value()`. digits: xw's int8 digits where the epilogue wrote them (for a next
+    GEMV on gemv_i8, kernels/quant/digits.py), else None."""
 
     def __init__(self, xw: torch.Tensor, ss: torch.Tensor, eps: float,
-                 residual_out: torch.Tensor):
+                 residual_out: torch.Tensor, digits: torch.Tensor | None = None):
         self.xw, self.ss, self.eps, self.residual_out = xw, ss, eps, residual_out
+        self.digits = digits
         self._value: torch.Tensor | None = None
 
     @property

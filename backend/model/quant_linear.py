@@ -185,7 +185,7 @@ class QuantLinear(nn.Module):
         if fast is None or p.xw.shape[0] != 1 or self.qa.device != p.xw.device:
             return None
         return fast.quant_matmul_rscaled(p.xw, p.ss[0], p.eps, self.qa, self.qb, self.sz,
-                                         self.bits, self.group_size)
+                                         self.bits, self.group_size, p.digits)
 
     def forward_residual_norm(self, x: torch.Tensor | GroupScaled, post: NextNorm,
                               swiglu: bool = False) -> Normed | None:
@@ -206,8 +206,8 @@ class QuantLinear(nn.Module):
             self.group_size, swiglu=swiglu, gscale=None if g is None else (g.ss[0], g.eps))
         if r is None:
             return None
-        h, xw, ss = r
-        return Normed(xw, ss, norm.eps, h)
+        h, xw, ss, dg = r
+        return Normed(xw, ss, norm.eps, h, dg)
 
     def forward_mlp_chain(self, gate_up: QuantLinear, x: Normed, post: NextNorm) -> Normed | None:
         """As an MLP's down projection after `gate_up` (the fused gate and up projections) on

@@ -2,9 +2,11 @@
 
 Strategy by the number of rows M of x, from the H200 sweep of perf/kernels/bench_quant.py
 (perf/RESULTS.md, "Mixed-bit weights"; 17408x5120 figures, CUDA-graph timings):
-  M = 1        tensor-core GEMV (`gemv_tc.py`): 2/3/4-bit 15.1 / 18.5 / 19.8 us, 1.17-1.56x the
-               FMA GEMV (`gemv.py`, BLOCK_M = 1: 18.7 / 24.6 / 26.4 us; bf16 cuBLAS 47.7 us),
-               which small shapes keep (K or N < TC_MIN_DIM) and VOLUNDR_QUANT_GEMV=fma picks;
+  M = 1        integer tensor-core GEMV (`gemv_i8.py`; H100: 0.71-0.90x gemv_tc's time, run 82)
+               where it takes the shape, else the bf16 tensor-core GEMV (`gemv_tc.py`): 2/3/4-bit
+               15.1 / 18.5 / 19.8 us, 1.17-1.56x the FMA GEMV (`gemv.py`, BLOCK_M = 1: 18.7 /
+               24.6 / 26.4 us; bf16 cuBLAS 47.7 us), which small shapes keep (K or N <
+               TC_MIN_DIM) and VOLUNDR_QUANT_GEMV=fma picks;
   2 <= M <= 16 tensor-core GEMM (`gemm_tc.py`, bf16x2 dequantisation shared by all M rows, x^T
                as the mma B operand): M = 16 31.5 / 37.5 / 34.1 us, 1.17-3.1x the 16-row tl.dot
                tile (42 / 62 / 45 us; VOLUNDR_QUANT_GEMM16=tile picks it);
@@ -21,7 +23,7 @@ import os
 import torch
 
 from volundr.kernels.norm.engine import swiglu as swiglu_kernel
-from volundr.kernels.quant import gemm_tc, gemv_chain, gemv_i8, gemv_tc
+from volundr.kernels.quant import digits, gemm_tc, gemv_chain, gemv_i8, gemv_tc
 from volundr.kernels.quant.gemm import dequant_matmul, dequantize_t
 from volundr.kernels.quant.gemv import MAX_M, quant_matmul_triton
 
@@ -32,12 +34,13 @@ GEMV_CONFIG = {2: (128, 1, 8.0, True), 3: (256, 2, 4.0, True), 4: (128, 1, 8.0, 
 # Volundr-32B decode 98 -> 122 tok/s, 16 streams 766 -> 961, same greedy ids);
 # VOLUNDR_QUANT_GEMV=fma, read once at import, goes back. reps=2, waves=24 is the best config
 # at every measured shape and bit width; smaller shapes (K or N < TC_MIN_DIM) keep the FMA path.
-# VOLUNDR_QUANT_GEMV=i8 (opt-in until run on an H200 and under the full CUDA suite): the
-# integer tensor-core GEMV (gemv_i8.py; H100 run 82: 0.71-0.86x gemv_tc's time at 2 and 3 bits,
-# 0.86-0.90x at 4 (1.02x at 5120x5120), its digits launch included 0.78-0.97x (1.25x at
-# 5120x5120 4-bit); decode 140.4 -> 162.9 tok/s, run 86) for the plain, SwiGLU, rscaled and
-# residual-epilogue GEMVs; the fused norm and gated-norm paths stay on gemv_tc.
-GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "tc")
+# The default since 2026-12-05 (H100 runs 87-89: bench_decode, the CUDA suite's engine,
+# attention, norm, quant and gemv_i8 tests; no H200 lent): the integer tensor-core GEMV
+# (gemv_i8.py; H100 run 82: 0.71-0.86x gemv_tc's time at 2 and 3 bits, 0.86-0.90x at 4 (1.02x
+# at 5120x5120), its digits launch included 0.78-0.97x (1.25x at 5120x5120 4-bit); decode
+# 137.4 -> 159.3 tok/s, run 87) for the plain, SwiGLU, rscaled and residual-epilogue GEMVs;
+# the fused norm and gated-norm paths stay on gemv_tc. VOLUNDR_QUANT_GEMV=tc keeps gemv_tc.
+GEMV_PATH = os.environ.get("VOLUNDR_QUANT_GEMV", "i8")
 if GEMV_PATH not in ("fma", "tc", "i8"):
     raise ValueError(f"VOLUNDR_QUANT_GEMV must be fma, tc or i8, not {GEMV_PATH!r}")
 # maxnreg 128 (H200 sweep, perf/RESULTS.md "Session 5"): 2-bit (148 registers uncapped, one
@@ -105,6 +108,11 @@ RESIDUAL_NORM_FOLD = os.environ.get("VOLUNDR_RESIDUAL_NORM_FOLD", "1") == "1"
 # residual add and the next norm as with RESIDUAL_NORM_FOLD). Off until measured on the H200
 # (perf/RESULTS.md, session 16: not yet run on a GPU); VOLUNDR_GEMV_CHAIN=1 turns it on.
 GEMV_CHAIN = os.environ.get("VOLUNDR_GEMV_CHAIN", "0") == "1"
+# On the i8 path the output projections' residual epilogues also write x' = h w's int8 digits
+# (digits.py), which the next input projection's gemv_i8 reads instead of making them in a
+# launch of its own (54 + 72 launches per token of Volundr-32B's decode step).
+# VOLUNDR_I8_DIGITS_EPILOGUE=0 turns it off.
+DIGITS_EPILOGUE = os.environ.get("VOLUNDR_I8_DIGITS_EPILOGUE", "1") == "1"
 FUSED_MAX_M = 128
 
 
@@ -208,11 +216,13 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
                                qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
                                group_size: int, swiglu: bool = False,
                                gscale: tuple | None = None) -> tuple | None:
-    """(h, xw, ss) for a layer's output projection y = x @ W^T (x [1, K]; swiglu and gscale as
+    """(h, xw, ss, dg) for a layer's output projection y = x @ W^T (x [1, K]; swiglu and gscale as
     in quant_matmul / quant_matmul_group_scaled) followed by the residual add and the next
     RMSNorm, in one launch: h = y + residual [1, N] (the next residual stream), xw = h w [1, N]
     (w = norm_weight) and ss [1, tiles] fp32 sums of h^2, so that RMSNorm(h) = xw rsqrt(sum(ss)
-    / N + eps), which `quant_matmul_rscaled` folds into the next GEMV. None where it does not
+    / N + eps), which `quant_matmul_rscaled` folds into the next GEMV, and on the i8 path
+    (DIGITS_EPILOGUE, N a multiple of 512) dg: xw's digits for it (digits.empty), else None.
+    None where it does not
     apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off, M > 1, a shape or dtype the
     tensor-core GEMV does not take)."""
     k = x.shape[1] // 2 if swiglu else x.shape[1]
@@ -229,26 +239,30 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
     ss = torch.empty(1, tiles, dtype=torch.float32, device=x.device)
     res = (residual, norm_weight, xw, ss)
+    bn = 32 * cfg["reps"] * (1 if i8 else cfg["num_warps"])  # the tile's rows
+    dg = (digits.empty(n, x.device) if GEMV_PATH == "i8" and DIGITS_EPILOGUE
+          and digits.fits(n, bn) else None)
     if i8:
         gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, residual=res,
-                        **cfg)
+                        out_digits=dg, **cfg)
     else:
         gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, gscale=gscale,
-                        residual=res, **cfg)
-    return h, xw, ss
+                        residual=res, out_digits=dg, **cfg)
+    return h, xw, ss, dg
 
 
 def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: torch.Tensor,
-                         qb: torch.Tensor, sz: torch.Tensor, bits: int,
-                         group_size: int) -> torch.Tensor | None:
+                         qb: torch.Tensor, sz: torch.Tensor, bits: int, group_size: int,
+                         dg: torch.Tensor | None = None) -> torch.Tensor | None:
     """y = (xw @ W^T) rsqrt(sum(ss) / K + eps) for xw [1, K] and ss [P] fp32 (what
-    `quant_matmul_residual_norm` wrote: y = RMSNorm(h) @ W^T); None where the GEMV does not
-    take it (then the caller makes RMSNorm(h) itself)."""
+    `quant_matmul_residual_norm` wrote: y = RMSNorm(h) @ W^T; dg its digits of xw, if any);
+    None where the GEMV does not take it (then the caller makes RMSNorm(h) itself)."""
     if not (RESIDUAL_NORM_FOLD and _takes_gemv_tc(xw, xw.shape[1], qa.shape[1], bits, group_size)
             and xw.is_contiguous() and ss.is_contiguous() and ss.dim() == 1):
         return None
     if _takes_gemv_i8(xw, xw.shape[1], qa.shape[1], bits, group_size):
         return gemv_i8.gemv_i8(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
+                               digits=None if dg is None else digits.views(dg, bits),
                                **gemv_i8.CONFIG[bits])
     return gemv_tc.gemv_tc(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
                            **tc_config(bits, qa.shape[1], xw.shape[1]))

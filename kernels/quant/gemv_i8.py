@@ -12,7 +12,8 @@ element (per group g of G inputs):
     y[n] = sum_g s[n, g] (sx_g (128 S1 + S0) - z[n, g] sx_g sum xi_g)
 
 so x is kept to 15 bits of its group's maximum (the result's error equals gemv_tc's).
-`x_digits` makes (xd, xg) from x in one small launch; the naive reference is
+digits.py makes (xd, xg) from x in one small launch (`x_digits`), or the residual epilogue
+of the GEMV that produced x writes them (`out_digits`); the naive reference is
 naive.naive_x_digits. The fragment trick is gemv_tc's: lane (g, c) holds group c's codes as
 its A columns; B column col holds group col // 2's digits (lanes g // 2 == c supply them),
 d1 in even columns and d0 in odd, so one mma gives a lane both digits' sums for its rows.
@@ -36,24 +37,15 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
+from volundr.kernels.quant.digits import G_DIGITS, nb, plane_rows, x_digits  # noqa: F401
+from volundr.kernels.quant.digits import epilogue as digits_epilogue
+from volundr.kernels.quant.digits import epilogue_kwargs as digits_kwargs
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue, residual_kwargs
-from volundr.kernels.quant.naive import XMAX
 
-XMAX_C = tl.constexpr(XMAX)
 # per bit width (H100 run 82): reps (BN = 32 reps), programs per SM, register cap
 CONFIG = {2: dict(reps=2, waves=16.0, maxnreg=168), 3: dict(reps=2, waves=16.0, maxnreg=168),
           4: dict(reps=2, waves=24.0, maxnreg=168)}
-
-
-def nb(bits: int) -> int:
-    """A registers (of 4 codes) per word: slot i of a word sits in register i % NB, byte i // NB."""
-    return 2 if bits == 4 else 4
-
-
-def plane_rows(bits: int, g: int = 128) -> int:
-    """WA: A-plane word rows per group."""
-    return g * (4 if bits == 4 else 2) // 32
 
 
 def tiles(n: int, reps: int = 2) -> int:
@@ -158,63 +150,6 @@ def consts(bits: int) -> dict:
                 CONS=",".join(["=r"] * 16 + ["r"] * 40))
 
 
-# ---- x's digits --------------------------------------------------------------------------------
-@triton.jit
-def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, up_off, G: tl.constexpr,
-                   WA: tl.constexpr, NB: tl.constexpr, SWIGLU: tl.constexpr):
-    """Program st: the 4 groups of set st, as naive_x_digits lays them out. SWIGLU: x =
-    SiLU(x[:K]) * x[K:] (up_off = K) rounded to x's dtype, as gemv_tc's loads make it."""
-    pdl.trigger()
-    pdl.wait()
-    st = tl.program_id(0)
-    offs = st * 4 * G + tl.arange(0, 4 * G)
-    xv = tl.load(x_ptr + offs).to(tl.float32)
-    if SWIGLU:
-        up = tl.load(x_ptr + up_off + offs).to(tl.float32)
-        xv = (xv * tl.sigmoid(xv) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    xv = tl.reshape(xv, [4, G])
-    amax = tl.max(tl.abs(xv), axis=1)  # [4]
-    sx = tl.where(amax > 0, amax / XMAX_C, 1.0)
-    inv = XMAX_C / tl.where(amax > 0, amax, 1.0)
-    xi = tl.floor(xv * tl.expand_dims(inv, 1) + 0.5).to(tl.int32)
-    xi = tl.minimum(tl.maximum(xi, -XMAX_C), XMAX_C)
-    g4 = st * 4 + tl.arange(0, 4)
-    tl.store(xg_ptr + g4 * 2, sx)
-    tl.store(xg_ptr + g4 * 2 + 1, sx * tl.sum(xi, axis=1).to(tl.float32))
-    d1 = (xi + 64) >> 7
-    d0 = xi - 128 * d1
-    sh = 8 * tl.arange(0, 4)[None, None, None, :]
-    for d in tl.static_range(2):
-        v = d1 if d == 0 else d0
-        # k = (NB b + e) WA + r -> [c, r, e, b], bytes b packed into one int32
-        v = tl.permute(tl.reshape(v, [4, 4, NB, WA]), (0, 3, 2, 1))
-        w = tl.sum((v & 0xFF) << sh, axis=3)  # [4, WA, NB]
-        if NB == 2:  # 4-bit: per pair of rows (pair, e, row of the pair)
-            w = tl.reshape(tl.permute(tl.reshape(w, [4, WA // 2, 2, 2]), (0, 1, 3, 2)),
-                           [4, WA, NB])
-        else:  # e in the order 0, 2, 1, 3
-            w = tl.reshape(tl.permute(tl.reshape(w, [4, WA, 2, 2]), (0, 1, 3, 2)),
-                           [4, WA, NB])
-        off = (((d * num_groups + st * 4 + tl.arange(0, 4))[:, None, None] * WA
-                + tl.arange(0, WA)[None, :, None]) * NB + tl.arange(0, NB)[None, None, :])
-        tl.store(xd_ptr + off, w)
-
-
-def x_digits(x: torch.Tensor, bits: int, group_size: int = 128,
-             swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [1, K] (swiglu: [1, 2K], gate then up) -> (xd int32 [2, K / G, WA, NB], xg fp32
-    [K / G, 2]) in one launch; naive.naive_x_digits is the reference. K a multiple of 4 G."""
-    k = x.shape[-1] // 2 if swiglu else x.shape[-1]
-    groups = k // group_size
-    assert x.shape[0] == 1 and groups % 4 == 0 and x.is_contiguous()
-    wa, n_b = plane_rows(bits, group_size), nb(bits)
-    xd = torch.empty(2, groups, wa, n_b, dtype=torch.int32, device=x.device)
-    xg = torch.empty(groups, 2, dtype=torch.float32, device=x.device)
-    _digits_kernel[(groups // 4,)](x, xd, xg, groups, k, G=group_size, WA=wa, NB=n_b,
-                                   SWIGLU=swiglu, launch_pdl=pdl.ON.value)
-    return xd, xg
-
-
 # ---- the GEMV ------------------------------------------------------------------------------------
 @triton.jit
 def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, rs_ptr,
@@ -223,14 +158,15 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
                    L: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
                    ASM_STEP: tl.constexpr, CONS: tl.constexpr, EARLY: tl.constexpr,
                    RSCALE: tl.constexpr, NRS: tl.constexpr, RES: tl.constexpr = False,
-                   r_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None):
+                   r_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, dg_ptr=None,
+                   dcnt_ptr=None, DIGITS: tl.constexpr = False):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); N a multiple of BN (known to
     the compiler: a load's row offset is an immediate) and whole sets of 4 groups, so no masks.
     Lane (quad, c) accumulates rows 4 (Q l + quad) + j over group c of each set. EARLY: each
     set's first block of A words (and 3-bit's B words) is loaded before PDL's wait (weights are
     never written by an earlier kernel). RSCALE: y times rsqrt(sum(rs[:n_rs]) / K + eps).
     RES: gemv_tc's residual epilogue (h = y + r into y, h w into xs, the tile's sum of h^2 into
-    ss[pid_n])."""
+    ss[pid_n]); DIGITS: with xs's digits for the next gemv_i8 (digits.epilogue)."""
     pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -309,12 +245,16 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
             tot = sum_splits(ws_ptr + n3, N, num_splits, n3 < N, y) * f
             if RES:
                 tot = _residual_epilogue(tot, n3, n3 < N, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
+                if DIGITS:
+                    digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
             tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty))
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
         y = y * f
         if RES:
             y = _residual_epilogue(y, n3, n3 < N, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
+            if DIGITS:
+                digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
         tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty))
 
 
@@ -331,13 +271,16 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             group_size: int = 128, out: torch.Tensor | None = None, swiglu: bool = False,
             digits: tuple | None = None, rscale: tuple | None = None, reps: int = 2,
             waves: float = 24.0, maxnreg: int | None = 168, early: bool = True,
-            splits: int | None = None, residual: tuple | None = None) -> torch.Tensor:
+            splits: int | None = None, residual: tuple | None = None,
+            out_digits: torch.Tensor | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`).
     x's digits from `x_digits` (one launch; swiglu: x [1, 2K] = (gate, up) and y = (SiLU(gate)
     * up) @ W^T), or `digits` = (xd, xg) made before (one x feeding several GEMVs). rscale =
     (rs [P] fp32, eps): y times rsqrt(sum(rs) / K + eps) (engine.quant_matmul_rscaled).
     residual = (r, w, xs, ss): out = h = y + r, xs = h w, ss [N / 32 reps] fp32 the tiles'
-    sums of h^2 (engine.quant_matmul_residual_norm; gemv_tc's epilogue)."""
+    sums of h^2 (engine.quant_matmul_residual_norm; gemv_tc's epilogue). out_digits (with
+    residual; `digits.empty(N)`): xs's digits written too, for the next gemv_i8
+    (`digits.views`), so that its digits launch goes."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
     assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
@@ -347,13 +290,19 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    ws, cnt = _workspace(qa.device, n_tiles, ns * n) if ns > 1 else (out, out)
+    ws, cnt = out, out  # (unread without split-K or digits)
+    if ns > 1 or out_digits is not None:  # tile counters, then the digits' group counters
+        ws, cnt = _workspace(qa.device, n_tiles + (0 if out_digits is None else n // G_DIGITS),
+                             ns * n)
     rs, eps = rscale if rscale is not None else (xg[0], 0.0)  # (unread without rscale)
     assert rs.dtype == torch.float32 and rs.dim() == 1
     n_rs = rs.numel() if rscale is not None else 1
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
     if residual is not None:
         kw.update(residual_kwargs(residual, out, x.dtype, n, n_tiles))
+    if out_digits is not None:
+        assert residual is not None, "out_digits: with residual"
+        kw.update(digits_kwargs(out_digits, n, 32 * reps, cnt, n_tiles))
     gemv_i8_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, rs, num_groups, sps, ns,
         n_rs, eps, N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps,
