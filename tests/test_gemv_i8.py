@@ -345,6 +345,37 @@ def test_cuda_engine_i8_path(monkeypatch):
     assert torch.equal(y, engine.gemv_tc.gemv_tc(x, *small, 4, 128, **engine.tc_config(4, n, k)))
 
 
+@gpu
+def test_cuda_engine_digits_epilogue(monkeypatch):
+    """VOLUNDR_I8_DIGITS_EPILOGUE=1: quant_matmul_residual_norm returns x's digits (gemv_i8's
+    epilogue, and gemv_tc's with KDA's gated norm) and quant_matmul_rscaled reads them instead
+    of a digits launch, with the result of the launch's digits."""
+    from volundr.kernels.quant import engine
+
+    monkeypatch.setattr(engine, "GEMV_PATH", "i8")
+    monkeypatch.setattr(engine, "DIGITS_EPILOGUE", True)
+    n, k = 5120, 17408
+    down, up = _layer(n, k, 2, 11), _layer(15680, n, 4, 12)
+    gu = torch.randn(1, 2 * k, device="cuda").to(torch.bfloat16)
+    r, w = (torch.randn(1, n, device="cuda").to(torch.bfloat16) for _ in range(2))
+    h, xw, ss, dg = engine.quant_matmul_residual_norm(gu, r, w, *down, 2, 128, swiglu=True)
+    assert dg is not None
+    called = []
+    monkeypatch.setattr(gi, "x_digits", lambda *a, _f=gi.x_digits, **kw: called.append(1)
+                        or _f(*a, **kw))
+    y = engine.quant_matmul_rscaled(xw, ss[0], 1e-6, *up, 4, 128, dg)
+    assert not called
+    ref = engine.quant_matmul_rscaled(xw, ss[0], 1e-6, *up, 4, 128)
+    assert called and ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3
+    o = _layer(n, n, 4, 13)  # gemv_tc with the gated norm's scales as the producer
+    gs = torch.rand(n // 128, 4, device="cuda") * 128
+    x = torch.randn(1, n, device="cuda").to(torch.bfloat16)
+    h, xw, ss, dg = engine.quant_matmul_residual_norm(x, r, w, *o, 4, 128, gscale=(gs, 1e-6))
+    xd, xg = engine.digits.views(dg, 3)
+    rd, rg = gi.x_digits(xw, 3)
+    assert (_xi(xd) - _xi(rd)).abs().max() <= 1 and torch.equal(xg[:, 0], rg[:, 0])
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["digits"]:
         check_digits("cpu")

@@ -249,12 +249,14 @@ def compile_all() -> list[str]:
         # N = 1024: the epilogue writes x's digits (gemv_i8's and gemv_tc's, gscale), which
         # the next gemv_i8 reads
         u, big = torch.randn(3, 1, 1024, dtype=bf), layer(1024, bits)
+        digits_, quant.DIGITS_EPILOGUE = quant.DIGITS_EPILOGUE, True
         h, xw, hs, dg = quant.quant_matmul_residual_norm(
             torch.randn(1, 2048, dtype=bf), u[0], u[1, 0], *big, bits, 128, swiglu=True)
         assert dg is not None and quant.quant_matmul_rscaled(xw, hs[0], 1e-6, qa, qb, sz, bits,
                                                              128, dg) is not None
         assert quant.quant_matmul_residual_norm(
             u[2], u[0], u[1, 0], *big, bits, 128, gscale=(torch.rand(8, 4), 1e-6))[3] is not None
+        quant.DIGITS_EPILOGUE = digits_
         quant.GEMV_PATH = "tc"
         for m in (1, 4):  # two stacked linears on two inputs (KDA's f_b, g_b)
             quant.quant_matmul_grouped(torch.randn(m, 2, 1024, dtype=bf), qa, qb, sz, bits, 128)

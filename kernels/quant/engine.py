@@ -108,11 +108,12 @@ RESIDUAL_NORM_FOLD = os.environ.get("VOLUNDR_RESIDUAL_NORM_FOLD", "1") == "1"
 # residual add and the next norm as with RESIDUAL_NORM_FOLD). Off until measured on the H200
 # (perf/RESULTS.md, session 16: not yet run on a GPU); VOLUNDR_GEMV_CHAIN=1 turns it on.
 GEMV_CHAIN = os.environ.get("VOLUNDR_GEMV_CHAIN", "0") == "1"
-# On the i8 path the output projections' residual epilogues also write x' = h w's int8 digits
-# (digits.py), which the next input projection's gemv_i8 reads instead of making them in a
-# launch of its own (54 + 72 launches per token of Volundr-32B's decode step).
-# VOLUNDR_I8_DIGITS_EPILOGUE=0 turns it off.
-DIGITS_EPILOGUE = os.environ.get("VOLUNDR_I8_DIGITS_EPILOGUE", "1") == "1"
+# On the i8 path the output projections' residual epilogues can also write x' = h w's int8
+# digits (digits.py), which the next input projection's gemv_i8 then reads instead of making
+# them in a launch of its own (54 + 72 of the 199 digits launches per token of Volundr-32B's
+# decode step). Tested in the interpreter (gemv_tc's epilogue) and compiled for sm_90, not yet
+# run on a GPU (session 21 had no device time left): opt-in, VOLUNDR_I8_DIGITS_EPILOGUE=1.
+DIGITS_EPILOGUE = os.environ.get("VOLUNDR_I8_DIGITS_EPILOGUE", "0") == "1"
 FUSED_MAX_M = 128
 
 
