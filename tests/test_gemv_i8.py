@@ -258,6 +258,23 @@ def check_digits_epilogue(device: str, n: int = 512, k: int = 512) -> None:
             assert (xg[1] == torch.tensor([1.0, 0.0], device=device)).all()
         cnt = _workspace(x.device, 1, 1)[1]
         assert not cnt.any(), "group counters left at zero"
+    # an MLP's gate_up (N = 2 n: gate rows, then up rows) writing the digits of SiLU(gate) * up
+    runs = [(gemv_tc, 4, dict(reps=r_, splits=sp)) for r_ in (2, 4) for sp in (1, 2)]
+    if device == "cuda":
+        runs += [(gi.gemv_i8, b, dict(splits=sp)) for b in (2, 3) for sp in (1, 2)]
+    ss = torch.rand(3, device=device) * k
+    for fn, bits, kw in runs:
+        layer = _layer(2 * n, k, bits, bits + 1, device)
+        for rscale in (None, (ss, 1e-6)):
+            dg = dgt.empty(n, x.device).fill_(-1)
+            y = fn(x, *layer, bits, 128, rscale=rscale, out_swiglu_digits=dg, **kw)
+            for b in (2, 4):
+                xd, xg = dgt.views(dg, b)
+                rd, rg = dgt.x_digits(y, b, swiglu=True)
+                diff = (_xi(xd) - _xi(rd)).abs()
+                assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (fn, bits, kw, b)
+                assert torch.equal(xg[:, 0], rg[:, 0]), (fn.__name__, bits, kw, b)
+        assert not _workspace(x.device, 1, 1)[1].any(), "group counters left at zero"
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
@@ -349,7 +366,8 @@ def test_cuda_engine_i8_path(monkeypatch):
 def test_cuda_engine_digits_epilogue(monkeypatch):
     """VOLUNDR_I8_DIGITS_EPILOGUE=1: quant_matmul_residual_norm returns x's digits (gemv_i8's
     epilogue, and gemv_tc's with KDA's gated norm) and quant_matmul_rscaled reads them instead
-    of a digits launch, with the result of the launch's digits."""
+    of a digits launch, with the result of the launch's digits; quant_mlp_i8 runs an MLP
+    without one."""
     from volundr.kernels.quant import engine
 
     monkeypatch.setattr(engine, "GEMV_PATH", "i8")
@@ -374,6 +392,17 @@ def test_cuda_engine_digits_epilogue(monkeypatch):
     xd, xg = engine.digits.views(dg, 3)
     rd, rg = gi.x_digits(xw, 3)
     assert (_xi(xd) - _xi(rd)).abs().max() <= 1 and torch.equal(xg[:, 0], rg[:, 0])
+    # an MLP on gemv_i8 with no digits launch (gate_up's epilogue writes the down projection's)
+    # == its two GEMVs through the engine's single paths
+    gate_up, down = (*_layer(4096, n, 3, 14), 3, 128), (*_layer(n, 2048, 2, 15), 2, 128)
+    called.clear()
+    h1, xw1, ss1, dg1 = engine.quant_mlp_i8(xw, ss[0], 1e-6, dg, gate_up, down, r, w)
+    assert not called and dg1 is not None
+    gu = engine.quant_matmul_rscaled(xw, ss[0], 1e-6, *gate_up, dg)
+    h2, xw2, ss2, dg2 = engine.quant_matmul_residual_norm(gu, r, w, *down, swiglu=True)
+    assert len(called) == 1  # the SwiGLU digits' launch
+    for a, b in ((h1, h2), (xw1, xw2), (ss1, ss2)):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3
 
 
 if __name__ == "__main__":

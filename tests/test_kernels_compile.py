@@ -256,6 +256,12 @@ def compile_all() -> list[str]:
                                                              128, dg) is not None
         assert quant.quant_matmul_residual_norm(
             u[2], u[0], u[1, 0], *big, bits, 128, gscale=(torch.rand(8, 4), 1e-6))[3] is not None
+        if bits != 4:  # an MLP with its SwiGLU digits from gate_up's epilogue (4-bit: gemv_tc)
+            r = quant.quant_mlp_i8(xw, hs[0], 1e-6, dg, (*layer(2048, bits), bits, 128),
+                                   (*big, bits, 128), u[0], u[1, 0])
+            assert r is not None and r[3] is not None
+        quant.gemv_tc.gemv_tc(torch.randn(1, 1024, dtype=bf), *layer(2048, bits), bits, 128,
+                              reps=2, out_swiglu_digits=quant.digits.empty(1024, "cpu"))
         quant.DIGITS_EPILOGUE = digits_
         quant.GEMV_PATH = "tc"
         for m in (1, 4):  # two stacked linears on two inputs (KDA's f_b, g_b)

@@ -83,9 +83,11 @@ def check_pair(d: int, k: int, bits: tuple[int, int], g: int, device, seed: int,
     assert _rel(z, z_ref) < (8e-3 if device == "cuda" else 2e-2), "next GEMV"
 
 
-def _model_layers(seed: int, device: str, g: int = 64):
+def _model_layers(seed: int, device: str, g: int = 64, hidden: int = 128, mlp: int = 256,
+                  bits: int = 4):
     """Two KDA decoder layers (hidden 128, 2 heads of 32, MLP 256), every linear 4-bit (o_proj
-    at groups of 32 = the head dim: its gated norm folds too), bf16, weights loaded."""
+    at groups of 32 = the head dim: its gated norm folds too), bf16, weights loaded; hidden,
+    mlp and bits (but o_proj's) as given."""
     import dataclasses
 
     from volundr.config import EngramConfig, KDAConfig
@@ -95,7 +97,7 @@ def _model_layers(seed: int, device: str, g: int = 64):
     from volundr.model.volundr import DecoderLayer
 
     cfg = dataclasses.replace(
-        get_config("tiny"), hidden_size=128, intermediate_size=256,
+        get_config("tiny"), hidden_size=hidden, intermediate_size=mlp,
         kda=KDAConfig(num_heads=2, head_dim=32, conv_size=4, low_rank_dim=32),
         engram=EngramConfig(layers=()))
     torch.manual_seed(seed)
@@ -109,7 +111,8 @@ def _model_layers(seed: int, device: str, g: int = 64):
     for name, m in list(layers.named_modules()):
         if isinstance(m, torch.nn.Linear):
             parent, _, attr = name.rpartition(".")
-            q = quantize_random_linear(m.out_features, m.in_features, 4,
+            q = quantize_random_linear(m.out_features, m.in_features,
+                                       4 if attr == "o_proj" else bits,
                                        32 if attr == "o_proj" else min(g, m.in_features),
                                        "cpu", seed=seed + len(name))
             if attr in ("o_proj", "down_proj"):
@@ -120,6 +123,48 @@ def _model_layers(seed: int, device: str, g: int = 64):
         m.after_load()
     assert isinstance(layers[0].mlp.down_proj, QuantLinear)
     return cfg, layers
+
+
+def _decode_inputs(cfg, layers, device: str):
+    """(h0, batch, reset): one decode token's input, its batch, and a reset of the layers'
+    KDA states to fixed random ones."""
+    state0 = torch.randn(3, 2, 32, 32, device=device) * 0.3
+    conv0 = torch.randn(3, 3 * 2 * 32, 3, device=device).to(torch.bfloat16)
+    b = SimpleNamespace(max_q_len=1, slot_ids=torch.tensor([2], device=device), cu_list=[0, 1],
+                        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device))
+    h0 = torch.randn(1, cfg.hidden_size, device=device).to(torch.bfloat16)
+
+    def reset():
+        for layer in layers:
+            layer.kda.state, layer.kda.conv_state = state0.clone(), conv0.clone()
+
+    return h0, b, reset
+
+
+def check_model_digits(seed: int) -> None:
+    """Two KDA layers (hidden 512, MLP 1024, 3-bit, groups of 128) at one decode token on
+    gemv_i8, with x's digits from the epilogues (VOLUNDR_I8_DIGITS_EPILOGUE: Normed carries
+    them, the MLPs run as quant_mlp_i8) and from launches: fewer launches, the same output."""
+    from volundr.kernels.quant import engine, gemv_i8
+    from volundr.model.volundr import run_layers
+
+    cfg, layers = _model_layers(seed, "cuda", 128, 512, 1024, 3)
+    h0, b, reset = _decode_inputs(cfg, layers, "cuda")
+    out = {}
+    for on in (True, False):
+        reset()
+        with (mock.patch.object(engine, "TC_MIN_DIM", 0),
+              mock.patch.object(engine, "GEMV_PATH", "i8"),
+              mock.patch.object(engine, "DIGITS_EPILOGUE", on),
+              mock.patch.object(gemv_i8, "x_digits", wraps=gemv_i8.x_digits) as calls):
+            y = run_layers(layers, h0, b)
+        out[on] = (y, [lay.kda.state.clone() for lay in layers], calls.call_count)
+    (y1, s1, n1), (y0, s0, n0) = out[True], out[False]
+    # gate_up's and down's launches go in both layers, and the second in_proj's where it is on
+    # gemv_i8; the first in_proj's input comes from a norm kernel
+    assert n0 - n1 >= 4 and n1 <= 1, (n1, n0)
+    assert all(_rel(a, c) < 1e-2 for a, c in zip(s1, s0)), "states"
+    assert _rel(y1, y0) < 1e-2, _rel(y1, y0)
 
 
 def check_model_layers(seed: int, device: str = "cpu") -> None:
@@ -135,16 +180,11 @@ def check_model_layers(seed: int, device: str = "cpu") -> None:
     from volundr.model.volundr import run_layers
 
     cfg, layers = _model_layers(seed, device)
-    state0 = torch.randn(3, 2, 32, 32, device=device) * 0.3
-    conv0 = torch.randn(3, 3 * 2 * 32, 3, device=device).to(torch.bfloat16)
-    b = SimpleNamespace(max_q_len=1, slot_ids=torch.tensor([2], device=device), cu_list=[0, 1],
-                        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device))
-    h0 = torch.randn(1, cfg.hidden_size, device=device).to(torch.bfloat16)
+    h0, b, reset = _decode_inputs(cfg, layers, device)
     on_cpu = mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name))
     out = {}
     for fold in (True, False):
-        for layer in layers:
-            layer.kda.state, layer.kda.conv_state = state0.clone(), conv0.clone()
+        reset()
         with (on_cpu if device == "cpu" else nullcontext(),
               mock.patch.object(engine, "TC_MIN_DIM", 0),
               mock.patch.object(engine, "RESIDUAL_NORM_FOLD", fold),
@@ -212,6 +252,11 @@ def test_cuda_residual_norm_fold_volundr_shapes(bits):
     check_pair(5120, 5120, bits, 128, "cuda", _seed(), 34816, "gscale", kp, kc)
     check_pair(5120, 17408, bits, 128, "cuda", _seed(), 15680, "swiglu", kp, kc)
     check_pair(5120, 5120, bits, 128, "cuda", _seed(), 5120, "plain", kp, kc)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_model_layers_digits_epilogue():
+    check_model_digits(_seed())
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

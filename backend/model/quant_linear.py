@@ -212,8 +212,9 @@ class QuantLinear(nn.Module):
     def forward_mlp_chain(self, gate_up: QuantLinear, x: Normed, post: NextNorm) -> Normed | None:
         """As an MLP's down projection after `gate_up` (the fused gate and up projections) on
         a Normed x: both GEMVs and the SwiGLU, the residual add and post's norm in one launch
-        (ops-level `quant_mlp_chain`, at M = 1 on one rank); None where that does not apply
-        (the caller then runs the two projections)."""
+        (ops-level `quant_mlp_chain`, at M = 1 on one rank), or in two on gemv_i8 with x's
+        digits from the epilogues (`quant_mlp_i8`); None where neither applies (the caller
+        then runs the two projections)."""
         if self.parallel is not None and self.tp.size > 1:  # the all-reduce comes first
             return None
         fast = ops._fast(x.xw, "quant")
@@ -222,10 +223,15 @@ class QuantLinear(nn.Module):
             return None
         r = fast.quant_mlp_chain(x.xw, x.ss[0], x.eps, gate_up._layer(), self._layer(),
                                  post.residual, post.norm.weight)
+        if r is not None:
+            h, xw, ss = r
+            return Normed(xw, ss, post.norm.eps, h)
+        r = fast.quant_mlp_i8(x.xw, x.ss[0], x.eps, x.digits, gate_up._layer(), self._layer(),
+                              post.residual, post.norm.weight)  # two launches, no digits ones
         if r is None:
             return None
-        h, xw, ss = r
-        return Normed(xw, ss, post.norm.eps, h)
+        h, xw, ss, dg = r
+        return Normed(xw, ss, post.norm.eps, h, dg)
 
     def forward_tail_chain(self, o_proj: nn.Module, gate_up: QuantLinear,
                            x: torch.Tensor | GroupScaled, post: NextNorm,

@@ -10,11 +10,13 @@ xd int32 [2, groups, WA, NB]: digit d's bytes of group g in the order gemv_i8's 
 fragments read them (WA word rows, NB registers per word: 8 x 4 for 2 and 3 bits, 16 x 2 for
 4 bits); xg fp32 [groups, 2] = (sx, sx sum xi).
 
-`x_digits` makes them from x in one small launch before each GEMV. A residual epilogue
-(gemv_tc / gemv_i8 with `residual`) can write them for the next GEMV instead (`empty`,
-`views`, `epilogue`): x' = h w is already in hand there, and the launch goes (the decode step
-had one per batch-1 GEMV on gemv_i8: 199 per token). The producer does not know the
-consumer's bit width, so it writes both layouts (20 KiB at K = 5120).
+`x_digits` makes them from x in one small launch before each GEMV. The GEMV that produces
+x can write them instead (`empty`, `views`): a residual epilogue (`epilogue`: x' = h w is in
+hand there) or an MLP's gate_up (`swiglu_epilogue`: x' = SiLU(gate) * up for the down
+projection), and the launch goes (the decode step had one per batch-1 GEMV on gemv_i8: 199
+per token). A group of x' spans tiles of the producer: a counter per group tells the last of
+them to come, which reads the group back and writes its digits. The producer does not know
+the consumer's bit width, so it writes both layouts (20 KiB at K = 5120).
 """
 
 from __future__ import annotations
@@ -134,13 +136,24 @@ def views(dg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def _write_group(xv, grp, dg_ptr, num_groups):
+    """Group grp's digits from its x' values xv [G] fp32 into dg (`empty`'s layout)."""
+    xi, sx, xq = _scale(tl.reshape(xv, [1, G_DIGITS_C]))
+    xg_ptr = dg_ptr + 128 * num_groups
+    one = tl.arange(0, 1)
+    tl.store(xg_ptr + grp * 2 + one, sx.to(tl.int32, bitcast=True))
+    tl.store(xg_ptr + grp * 2 + 1 + one, xq.to(tl.int32, bitcast=True))
+    _store_xd(xi, grp, dg_ptr, num_groups, 1, 8, 4)
+    _store_xd(xi, grp, dg_ptr + 64 * num_groups, num_groups, 1, 16, 2)
+
+
+@triton.jit
 def epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN: tl.constexpr):
     """After tile pid_n (rows pid_n BN ..) stored its x' = h w into xs [N]: the last of the
     G / BN tiles of a group to get here (a counter per group in dcnt, left at zero) reads the
     group's x' back past L1 and writes its digits into dg (`empty`'s layout), as x_digits
     would from xs. The counter's acq_rel orders the other tiles' xs stores before the reads."""
     TPG: tl.constexpr = G_DIGITS_C // BN
-    num_groups = N // G_DIGITS_C
     grp = pid_n // TPG
     tl.debug_barrier()  # every thread's xs stores are issued before the release / the reads
     last = True
@@ -149,22 +162,38 @@ def epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN: tl.constexpr):
     if last:
         offs = grp * G_DIGITS_C + tl.arange(0, G_DIGITS_C)
         xv = tl.load(xs_ptr + offs, cache_modifier=".cg").to(tl.float32)
-        xi, sx, xq = _scale(tl.reshape(xv, [1, G_DIGITS_C]))
-        xg_ptr = dg_ptr + 128 * num_groups
-        one = tl.arange(0, 1)
-        tl.store(xg_ptr + grp * 2 + one, sx.to(tl.int32, bitcast=True))
-        tl.store(xg_ptr + grp * 2 + 1 + one, xq.to(tl.int32, bitcast=True))
-        _store_xd(xi, grp, dg_ptr, num_groups, 1, 8, 4)
-        _store_xd(xi, grp, dg_ptr + 64 * num_groups, num_groups, 1, 16, 2)
+        _write_group(xv, grp, dg_ptr, N // G_DIGITS_C)
         if TPG > 1:
             tl.atomic_xchg(dcnt_ptr + grp, 0)  # ready for the next launch
 
 
-def epilogue_kwargs(dg: torch.Tensor, n: int, bn: int, cnt: torch.Tensor,
-                    n_tiles: int) -> dict:
-    """Kernel arguments of `epilogue` for a producer of N = n in tiles of bn rows whose
-    workspace counters `cnt` (gemv._workspace) hold n_tiles + n / 128 entries: the split-K
-    counters first, then one per group."""
-    assert fits(n, bn) and dg.dtype == torch.int32 and dg.numel() == 130 * (n // G_DIGITS)
-    assert cnt.numel() >= n_tiles + n // G_DIGITS
-    return dict(dg_ptr=dg, dcnt_ptr=cnt[n_tiles:], DIGITS=True)
+@triton.jit
+def swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN: tl.constexpr):
+    """After tile pid_n stored its rows of y [N] = an MLP's fused (gate, up), I = N / 2: the
+    last of the 2 G / BN tiles holding group g's gate rows (g G ..) and up rows (I + g G ..)
+    reads both back past L1 and writes the digits of x = SiLU(gate) * up, rounded to y's
+    dtype as the down projection's loads make it (x_digits with swiglu), into dg. One
+    counter per group in dcnt, left at zero."""
+    TPG: tl.constexpr = G_DIGITS_C // BN
+    half = N // 2
+    grp = ((pid_n * BN) % half) // G_DIGITS_C
+    tl.debug_barrier()  # every thread's y stores are issued before the release / the reads
+    if tl.atomic_add(dcnt_ptr + grp, 1, sem="acq_rel") == 2 * TPG - 1:
+        offs = grp * G_DIGITS_C + tl.arange(0, G_DIGITS_C)
+        g = tl.load(y_ptr + offs, cache_modifier=".cg").to(tl.float32)
+        u = tl.load(y_ptr + half + offs, cache_modifier=".cg").to(tl.float32)
+        xv = (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty).to(tl.float32)
+        _write_group(xv, grp, dg_ptr, half // G_DIGITS_C)
+        tl.atomic_xchg(dcnt_ptr + grp, 0)  # ready for the next launch
+
+
+def epilogue_kwargs(dg: torch.Tensor, n: int, bn: int, cnt: torch.Tensor, n_tiles: int,
+                    swiglu: bool = False) -> dict:
+    """Kernel arguments of `epilogue` (swiglu: `swiglu_epilogue`, x' = SiLU(gate) * up of
+    N / 2) for a producer of N = n in tiles of bn rows whose workspace counters `cnt`
+    (gemv._workspace) hold n_tiles + one per group of x': the split-K counters first."""
+    nx = n // 2 if swiglu else n
+    assert (n % 2 == 0 or not swiglu) and fits(nx, bn)
+    assert dg.dtype == torch.int32 and dg.numel() == 130 * (nx // G_DIGITS)
+    assert cnt.numel() >= n_tiles + nx // G_DIGITS
+    return dict(dg_ptr=dg, dcnt_ptr=cnt[n_tiles:], DIGITS=not swiglu, SWD=swiglu)

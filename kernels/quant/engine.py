@@ -108,11 +108,12 @@ RESIDUAL_NORM_FOLD = os.environ.get("VOLUNDR_RESIDUAL_NORM_FOLD", "1") == "1"
 # residual add and the next norm as with RESIDUAL_NORM_FOLD). Off until measured on the H200
 # (perf/RESULTS.md, session 16: not yet run on a GPU); VOLUNDR_GEMV_CHAIN=1 turns it on.
 GEMV_CHAIN = os.environ.get("VOLUNDR_GEMV_CHAIN", "0") == "1"
-# On the i8 path the output projections' residual epilogues can also write x' = h w's int8
-# digits (digits.py), which the next input projection's gemv_i8 then reads instead of making
-# them in a launch of its own (54 + 72 of the 199 digits launches per token of Volundr-32B's
-# decode step). Tested in the interpreter (gemv_tc's epilogue) and compiled for sm_90, not yet
-# run on a GPU (session 21 had no device time left): opt-in, VOLUNDR_I8_DIGITS_EPILOGUE=1.
+# On the i8 path the GEMVs that produce a gemv_i8's x can write its int8 digits (digits.py)
+# instead of a launch before it: the output projections' residual epilogues for the next input
+# projection, an MLP's gate_up for its down projection (`quant_mlp_i8`): all 199 digits
+# launches per token of Volundr-32B's decode step but the first layer's. Tested in the
+# interpreter (gemv_tc's epilogues) and compiled for sm_90, not yet run on a GPU (session 21
+# had no device time left): opt-in, VOLUNDR_I8_DIGITS_EPILOGUE=1.
 DIGITS_EPILOGUE = os.environ.get("VOLUNDR_I8_DIGITS_EPILOGUE", "0") == "1"
 FUSED_MAX_M = 128
 
@@ -216,13 +217,15 @@ def quant_matmul_group_scaled(x: torch.Tensor, gs: torch.Tensor, eps: float, qa:
 def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                                qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
                                group_size: int, swiglu: bool = False,
-                               gscale: tuple | None = None) -> tuple | None:
+                               gscale: tuple | None = None,
+                               digits_in: torch.Tensor | None = None) -> tuple | None:
     """(h, xw, ss, dg) for a layer's output projection y = x @ W^T (x [1, K]; swiglu and gscale as
     in quant_matmul / quant_matmul_group_scaled) followed by the residual add and the next
     RMSNorm, in one launch: h = y + residual [1, N] (the next residual stream), xw = h w [1, N]
     (w = norm_weight) and ss [1, tiles] fp32 sums of h^2, so that RMSNorm(h) = xw rsqrt(sum(ss)
     / N + eps), which `quant_matmul_rscaled` folds into the next GEMV, and on the i8 path
     (DIGITS_EPILOGUE, N a multiple of 512) dg: xw's digits for it (digits.empty), else None.
+    digits_in: x's digits made before (digits.empty's layout; for gemv_i8, else unread).
     None where it does not
     apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off, M > 1, a shape or dtype the
     tensor-core GEMV does not take)."""
@@ -245,7 +248,8 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
           and digits.fits(n, bn) else None)
     if i8:
         gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, residual=res,
-                        out_digits=dg, **cfg)
+                        out_digits=dg, **cfg,
+                        digits=None if digits_in is None else digits.views(digits_in, bits))
     else:
         gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, gscale=gscale,
                         residual=res, out_digits=dg, **cfg)
@@ -267,6 +271,33 @@ def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: tor
                                **gemv_i8.CONFIG[bits])
     return gemv_tc.gemv_tc(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
                            **tc_config(bits, qa.shape[1], xw.shape[1]))
+
+
+def quant_mlp_i8(xw: torch.Tensor, ss: torch.Tensor, eps: float, dg: torch.Tensor | None,
+                 up: tuple, down: tuple, residual: torch.Tensor,
+                 norm_weight: torch.Tensor) -> tuple | None:
+    """An MLP at M = 1 on gemv_i8 with no digits launch (DIGITS_EPILOGUE): gate_up =
+    RMSNorm(h) @ Wup^T from xw = h w [1, K], its sums of squares ss [P] and dg, xw's digits
+    from the epilogue that made it (None: a launch makes them), gate_up's epilogue writing
+    the digits of SiLU(gate) * up; then the down projection on them with the residual add and
+    the next RMSNorm (weight norm_weight): (h', xw', ss', dg') as `quant_matmul_residual_norm`
+    returns them. up, down = (qa, qb, sz, bits, group_size) of the fused gate_up and the down
+    projection. None where it does not apply (DIGITS_EPILOGUE or RESIDUAL_NORM_FOLD off,
+    either GEMV not on gemv_i8, a shape the epilogue does not take)."""
+    (qa1, qb1, sz1, b1, g1), (qa2, qb2, sz2, b2, g2) = up, down
+    k, n1, n2 = xw.shape[1], qa1.shape[1], qa2.shape[1]
+    if not (DIGITS_EPILOGUE and RESIDUAL_NORM_FOLD and n1 % 2 == 0 and xw.is_contiguous()
+            and ss.is_contiguous() and ss.dim() == 1 and residual.shape == (1, n2)
+            and sz2.shape[0] * g2 == n1 // 2
+            and _takes_gemv_i8(xw, k, n1, b1, g1) and _takes_gemv_i8(xw, n1 // 2, n2, b2, g2)
+            and digits.fits(n1 // 2, 32 * gemv_i8.CONFIG[b1]["reps"])):
+        return None
+    sd = digits.empty(n1 // 2, xw.device)
+    gu = gemv_i8.gemv_i8(xw, qa1, qb1, sz1, b1, g1, rscale=(ss, eps), out_swiglu_digits=sd,
+                         digits=None if dg is None else digits.views(dg, b1),
+                         **gemv_i8.CONFIG[b1])
+    return quant_matmul_residual_norm(gu, residual, norm_weight, qa2, qb2, sz2, b2, g2,
+                                      swiglu=True, digits_in=sd)
 
 
 def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,

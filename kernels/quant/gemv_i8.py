@@ -40,6 +40,7 @@ from volundr.kernels import pdl
 from volundr.kernels.quant.digits import G_DIGITS, nb, plane_rows, x_digits  # noqa: F401
 from volundr.kernels.quant.digits import epilogue as digits_epilogue
 from volundr.kernels.quant.digits import epilogue_kwargs as digits_kwargs
+from volundr.kernels.quant.digits import swiglu_epilogue as digits_swiglu_epilogue
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue, residual_kwargs
 
@@ -159,14 +160,15 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
                    ASM_STEP: tl.constexpr, CONS: tl.constexpr, EARLY: tl.constexpr,
                    RSCALE: tl.constexpr, NRS: tl.constexpr, RES: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, dg_ptr=None,
-                   dcnt_ptr=None, DIGITS: tl.constexpr = False):
+                   dcnt_ptr=None, DIGITS: tl.constexpr = False, SWD: tl.constexpr = False):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); N a multiple of BN (known to
     the compiler: a load's row offset is an immediate) and whole sets of 4 groups, so no masks.
     Lane (quad, c) accumulates rows 4 (Q l + quad) + j over group c of each set. EARLY: each
     set's first block of A words (and 3-bit's B words) is loaded before PDL's wait (weights are
     never written by an earlier kernel). RSCALE: y times rsqrt(sum(rs[:n_rs]) / K + eps).
     RES: gemv_tc's residual epilogue (h = y + r into y, h w into xs, the tile's sum of h^2 into
-    ss[pid_n]); DIGITS: with xs's digits for the next gemv_i8 (digits.epilogue)."""
+    ss[pid_n]); DIGITS: with xs's digits for the next gemv_i8 (digits.epilogue); SWD: y is an
+    MLP's (gate, up) and the digits of SiLU(gate) * up are written (digits.swiglu_epilogue)."""
     pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -248,6 +250,8 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
                 if DIGITS:
                     digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
             tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty))
+            if SWD:
+                digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
         y = y * f
@@ -256,6 +260,8 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
             if DIGITS:
                 digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
         tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty))
+        if SWD:
+            digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
 
 
 def supported(x: torch.Tensor, bits: int, group_size: int, n: int, k: int,
@@ -272,7 +278,8 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             digits: tuple | None = None, rscale: tuple | None = None, reps: int = 2,
             waves: float = 24.0, maxnreg: int | None = 168, early: bool = True,
             splits: int | None = None, residual: tuple | None = None,
-            out_digits: torch.Tensor | None = None) -> torch.Tensor:
+            out_digits: torch.Tensor | None = None,
+            out_swiglu_digits: torch.Tensor | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`).
     x's digits from `x_digits` (one launch; swiglu: x [1, 2K] = (gate, up) and y = (SiLU(gate)
     * up) @ W^T), or `digits` = (xd, xg) made before (one x feeding several GEMVs). rscale =
@@ -280,7 +287,9 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     residual = (r, w, xs, ss): out = h = y + r, xs = h w, ss [N / 32 reps] fp32 the tiles'
     sums of h^2 (engine.quant_matmul_residual_norm; gemv_tc's epilogue). out_digits (with
     residual; `digits.empty(N)`): xs's digits written too, for the next gemv_i8
-    (`digits.views`), so that its digits launch goes."""
+    (`digits.views`), so that its digits launch goes. out_swiglu_digits (y = an MLP's fused
+    (gate, up), N even; `digits.empty(N / 2)`): the digits of SiLU(gate) * up written, for the
+    down projection's gemv_i8 (`digits.views`)."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
     assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
@@ -290,19 +299,20 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    dg, swd = (out_digits, False) if out_swiglu_digits is None else (out_swiglu_digits, True)
+    assert out_digits is None or out_swiglu_digits is None
     ws, cnt = out, out  # (unread without split-K or digits)
-    if ns > 1 or out_digits is not None:  # tile counters, then the digits' group counters
-        ws, cnt = _workspace(qa.device, n_tiles + (0 if out_digits is None else n // G_DIGITS),
-                             ns * n)
+    if ns > 1 or dg is not None:  # tile counters, then the digits' group counters
+        ws, cnt = _workspace(qa.device, n_tiles + (0 if dg is None else n // G_DIGITS), ns * n)
     rs, eps = rscale if rscale is not None else (xg[0], 0.0)  # (unread without rscale)
     assert rs.dtype == torch.float32 and rs.dim() == 1
     n_rs = rs.numel() if rscale is not None else 1
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
     if residual is not None:
         kw.update(residual_kwargs(residual, out, x.dtype, n, n_tiles))
-    if out_digits is not None:
-        assert residual is not None, "out_digits: with residual"
-        kw.update(digits_kwargs(out_digits, n, 32 * reps, cnt, n_tiles))
+    if dg is not None:
+        assert (residual is not None) != swd, "out_digits: with residual; swiglu ones: without"
+        kw.update(digits_kwargs(dg, n, 32 * reps, cnt, n_tiles, swd))
     gemv_i8_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, rs, num_groups, sps, ns,
         n_rs, eps, N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps,

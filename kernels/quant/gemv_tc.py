@@ -47,6 +47,7 @@ from volundr.kernels.grid_sync import grid_wait
 from volundr.kernels.quant.digits import G_DIGITS
 from volundr.kernels.quant.digits import epilogue as digits_epilogue
 from volundr.kernels.quant.digits import epilogue_kwargs as digits_kwargs
+from volundr.kernels.quant.digits import swiglu_epilogue as digits_swiglu_epilogue
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 
 MAGIC = 0x43004300  # bf16x2 (128, 128): a code OR-ed into the mantissa reads 128 + q 2^o
@@ -454,7 +455,7 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
           GRID_WAIT: tl.constexpr = False, bar_ptr=None, bar_target=0, wait_now=True,
           CG: tl.constexpr = False, PF_SETS: tl.constexpr = 0, TMA: tl.constexpr = False,
           qa_desc=None, qb_desc=None, sz_desc=None, dg_ptr=None, dcnt_ptr=None,
-          DIGITS: tl.constexpr = False):
+          DIGITS: tl.constexpr = False, SWD: tl.constexpr = False):
     """Program (pid_n, pid_k) of gemv_tc_kernel (see there), the PDL trigger excepted. With
     GRID_WAIT (a stage of a GEMV chain, gemv_chain.py) it waits, where wait_now, on the barrier
     bar_ptr (>= bar_target) instead of PDL's wait, and CG: x, rs and the residual r, which an
@@ -617,6 +618,8 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                 if DIGITS:
                     digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
             tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty), mask=ymask)
+            if SWD:
+                digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
         if NORM or RSCALE:
@@ -626,6 +629,8 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
             if DIGITS:
                 digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
         tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
+        if SWD:
+            digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
 
 
 @triton.jit
@@ -645,7 +650,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    NPART: tl.constexpr = 1, RES: tl.constexpr = False, rs_ptr=None, n_rs=1,
                    RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1,
                    TMA: tl.constexpr = False, qa_desc=None, qb_desc=None, sz_desc=None,
-                   dg_ptr=None, dcnt_ptr=None, DIGITS: tl.constexpr = False):
+                   dg_ptr=None, dcnt_ptr=None, DIGITS: tl.constexpr = False,
+                   SWD: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -677,7 +683,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
           ASM_KEEP, EVEN, PREFETCH_L2, PF_ASM, SWIGLU, LATE_TRIGGER, r_ptr, nw_ptr, h_ptr, xs_ptr,
           ss_ptr, eps, NORM, STAGES, EARLY_W, gs_ptr, GSCALE, NPART, RES, rs_ptr, n_rs, RSCALE,
           NRS, TMA=TMA, qa_desc=qa_desc, qb_desc=qb_desc, sz_desc=sz_desc, dg_ptr=dg_ptr,
-          dcnt_ptr=dcnt_ptr, DIGITS=DIGITS)
+          dcnt_ptr=dcnt_ptr, DIGITS=DIGITS, SWD=SWD)
 
 
 @functools.cache
@@ -732,7 +738,8 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             norm: tuple | None = None, stages: int = 1,
             early: bool | int | None = None, gscale: tuple | None = None,
             residual: tuple | None = None, rscale: tuple | None = None,
-            tma: bool = False, out_digits: torch.Tensor | None = None) -> torch.Tensor:
+            tma: bool = False, out_digits: torch.Tensor | None = None,
+            out_swiglu_digits: torch.Tensor | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T, x bf16 with unit stride; out (optional) [1, N] bf16 or fp32.
     swiglu: x [1, 2K] holds (gate, up) and y = (SiLU(gate) * up) @ W^T, the SwiGLU fused into
     the x loads.
@@ -767,10 +774,12 @@ def gemv_tc(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     (run 71, perf/RESULTS.md session 18) 1.2-1.6x slower than the default at every engine
     shape, best at stages 2 (deeper pipelines leave fewer one-warp programs per SM): opt-in.
     out_digits (with residual; `digits.empty(N)`): the epilogue also writes x' = h nw's int8
-    digits for a next GEMV on gemv_i8 (`digits.epilogue`; read with `digits.views`)."""
+    digits for a next GEMV on gemv_i8 (`digits.epilogue`; read with `digits.views`);
+    out_swiglu_digits (y = an MLP's (gate, up); `digits.empty(N / 2)`): those of SiLU(gate) *
+    up for the down projection (`digits.swiglu_epilogue`)."""
     grid, args, kw = launch_args(x, qa, qb, sz, bits, group_size, out, reps, num_warps, waves,
                                  splits, swiglu, maxnreg, norm, stages, early, gscale, residual,
-                                 rscale, tma, out_digits)
+                                 rscale, tma, out_digits, out_swiglu_digits)
     gemv_tc_kernel[grid](*args, **kw)
     return args[4]
 
@@ -783,7 +792,8 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
                 early: bool | int | None = None, gscale: tuple | None = None,
                 residual: tuple | None = None,
                 rscale: tuple | None = None, tma: bool = False,
-                out_digits: torch.Tensor | None = None) -> tuple[tuple, tuple, dict]:
+                out_digits: torch.Tensor | None = None,
+                out_swiglu_digits: torch.Tensor | None = None) -> tuple[tuple, tuple, dict]:
     """gemv_tc_kernel's (grid, positional args, keyword args) for a gemv_tc call (see
     there); also the stages of a GEMV chain (gemv_chain.py)."""
     m, k = x.shape
@@ -803,10 +813,11 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
     sps, ns = split_k(n_tiles, n_sets, x.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    dg, swd = (out_digits, False) if out_swiglu_digits is None else (out_swiglu_digits, True)
+    assert out_digits is None or out_swiglu_digits is None
     ws, cnt = out, out  # (unread without split-K or digits)
-    n_cnt = n_tiles + (n // G_DIGITS if out_digits is not None else 0)
-    if ns > 1 or out_digits is not None:  # tile counters, then the digits' group counters
-        ws, cnt = _workspace(x.device, n_cnt, ns * n)
+    if ns > 1 or dg is not None:  # tile counters, then the digits' group counters
+        ws, cnt = _workspace(x.device, n_tiles + (0 if dg is None else n // G_DIGITS), ns * n)
     nkw = {}
     if norm is not None:
         res, w, eps, h = norm
@@ -822,14 +833,14 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
         nkw = dict(gs_ptr=gs, eps=float(eps), GSCALE=True, NPART=gs.shape[1])
     if residual is not None:
         nkw.update(residual_kwargs(residual, out, x.dtype, n, n_tiles))
-    if out_digits is not None:
-        assert residual is not None, "out_digits: with residual"
-        nkw.update(digits_kwargs(out_digits, n, bn, cnt, n_tiles))
     if rscale is not None:
         rs, eps = rscale
         assert rs.dtype == torch.float32 and rs.dim() == 1, "rscale: rs [P] fp32"
         nkw = dict(rs_ptr=rs, n_rs=rs.numel(), eps=float(eps), RSCALE=True,
                    NRS=triton.next_power_of_2(rs.numel()))
+    if dg is not None:
+        assert (residual is not None) != swd, "out_digits: with residual; swiglu ones: without"
+        nkw.update(digits_kwargs(dg, n, bn, cnt, n_tiles, swd))
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
