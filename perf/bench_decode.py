@@ -14,7 +14,8 @@ default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the ten
 default before 2026-12-05); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py) for the
 plain, SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without a suffix),
 +dig / +nodig = with it x's digits written by the residual epilogues or made by a launch before
-each GEMV (engine.DIGITS_EPILOGUE); +fold = the residual add + RMSNorm into
+each GEMV (engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger after its main
+loop or at its top (the default; gemv_i8.LATE_TRIGGER); +fold = the residual add + RMSNorm into
 the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its
 o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
 in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
@@ -400,6 +401,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     import volundr.kernels.kda.engine as kengine
     import volundr.kernels.quant.engine as qengine
     from volundr.kernels import pdl
+    from volundr.kernels.quant import gemv_i8
 
     cuda = dev.type == "cuda"
     spec_main, *suffixes = spec.split("+")
@@ -415,7 +417,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
-                qengine.DIGITS_EPILOGUE)
+                qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -429,6 +431,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMV_CHAIN = sfx == "chain"
         elif sfx in ("dig", "nodig"):  # i8: x's digits from the epilogues / launches
             qengine.DIGITS_EPILOGUE = sfx == "dig"
+        elif sfx in ("i8late", "i8top"):  # gemv_i8's PDL trigger after its loop / at its top
+            gemv_i8.LATE_TRIGGER = sfx == "i8late"
         elif sfx in ("lrfold", "nolrfold"):  # KDA's f_b / g_b in its decode kernel / not
             kengine.LOW_RANK_FOLD = sfx == "lrfold"
         elif sfx in ("late", "top"):
@@ -462,7 +466,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, "
+                             "dig, nodig, i8late, i8top, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm)")
     try:
@@ -476,7 +480,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
-         qengine.DIGITS_EPILOGUE) = defaults
+         qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list[dict]:

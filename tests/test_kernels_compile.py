@@ -243,6 +243,7 @@ def compile_all() -> list[str]:
                                           qa, qb, sz, bits, 128) is not None
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
                               early=False, splits=1)
+        quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, late=True)
         v = torch.randn(3, 1, 256, dtype=bf)  # the residual epilogue (the MLP's down_proj)
         assert quant.quant_matmul_residual_norm(torch.randn(1, 2048, dtype=bf), v[0], v[1, 0],
                                                 qa, qb, sz, bits, 128, swiglu=True)

@@ -31,6 +31,7 @@ emulates the lanes).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -47,6 +48,13 @@ from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue, r
 # per bit width (H100 run 82): reps (BN = 32 reps), programs per SM, register cap
 CONFIG = {2: dict(reps=2, waves=16.0, maxnreg=168), 3: dict(reps=2, waves=16.0, maxnreg=168),
           4: dict(reps=2, waves=24.0, maxnreg=168)}
+
+
+# PDL's trigger at the kernel's top (the default: the next kernel's programs, e.g. the next
+# digits launch and GEMV, may become resident while this one runs; run 86's reading of its
+# decode gain over gemv_tc, whose trigger is late) or after its main loop:
+# VOLUNDR_I8_LATE_TRIGGER=1 (bench_decode +i8late), to measure that reading.
+LATE_TRIGGER = os.environ.get("VOLUNDR_I8_LATE_TRIGGER", "0") == "1"
 
 
 def tiles(n: int, reps: int = 2) -> int:
@@ -160,7 +168,8 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
                    ASM_STEP: tl.constexpr, CONS: tl.constexpr, EARLY: tl.constexpr,
                    RSCALE: tl.constexpr, NRS: tl.constexpr, RES: tl.constexpr = False,
                    r_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, dg_ptr=None,
-                   dcnt_ptr=None, DIGITS: tl.constexpr = False, SWD: tl.constexpr = False):
+                   dcnt_ptr=None, DIGITS: tl.constexpr = False, SWD: tl.constexpr = False,
+                   LATE: tl.constexpr = False):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); N a multiple of BN (known to
     the compiler: a load's row offset is an immediate) and whole sets of 4 groups, so no masks.
     Lane (quad, c) accumulates rows 4 (Q l + quad) + j over group c of each set. EARLY: each
@@ -168,8 +177,10 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
     never written by an earlier kernel). RSCALE: y times rsqrt(sum(rs[:n_rs]) / K + eps).
     RES: gemv_tc's residual epilogue (h = y + r into y, h w into xs, the tile's sum of h^2 into
     ss[pid_n]); DIGITS: with xs's digits for the next gemv_i8 (digits.epilogue); SWD: y is an
-    MLP's (gate, up) and the digits of SiLU(gate) * up are written (digits.swiglu_epilogue)."""
-    pdl.trigger()
+    MLP's (gate, up) and the digits of SiLU(gate) * up are written (digits.swiglu_epilogue).
+    LATE: PDL's trigger after the loop instead of at the top (gemv_tc's default)."""
+    if not LATE:
+        pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 4 * L * Q
@@ -232,6 +243,8 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
         acc += sc * (sx * (s1.to(tl.float32) * 128.0 + s0.to(tl.float32)) - zr * xq)
     if EARLY:  # every path waits before its stores (a no-op after the loop's)
         pdl.wait()
+    if LATE:
+        pdl.trigger()
     y = tl.sum(acc, axis=0)  # [Q, L, 4]
     n3 = pid_n * BN + 4 * (Q * tl.arange(0, L)[None, :, None] + tl.arange(0, Q)[:, None, None]) \
         + tl.arange(0, 4)[None, None, :]
@@ -279,7 +292,8 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             waves: float = 24.0, maxnreg: int | None = 168, early: bool = True,
             splits: int | None = None, residual: tuple | None = None,
             out_digits: torch.Tensor | None = None,
-            out_swiglu_digits: torch.Tensor | None = None) -> torch.Tensor:
+            out_swiglu_digits: torch.Tensor | None = None,
+            late: bool | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`).
     x's digits from `x_digits` (one launch; swiglu: x [1, 2K] = (gate, up) and y = (SiLU(gate)
     * up) @ W^T), or `digits` = (xd, xg) made before (one x feeding several GEMVs). rscale =
@@ -289,7 +303,8 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     residual; `digits.empty(N)`): xs's digits written too, for the next gemv_i8
     (`digits.views`), so that its digits launch goes. out_swiglu_digits (y = an MLP's fused
     (gate, up), N even; `digits.empty(N / 2)`): the digits of SiLU(gate) * up written, for the
-    down projection's gemv_i8 (`digits.views`)."""
+    down projection's gemv_i8 (`digits.views`). late: PDL's trigger after the main loop
+    instead of at the top (None: LATE_TRIGGER)."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
     assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
@@ -318,5 +333,6 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
         n_rs, eps, N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps,
         Q=8, G=group_size, SPLIT_K=ns > 1, **consts(bits), EARLY=early,
         RSCALE=rscale is not None, NRS=triton.next_power_of_2(n_rs), num_warps=1,
+        LATE=LATE_TRIGGER if late is None else late,
         launch_pdl=pdl.ON.value, **kw)
     return out
