@@ -226,9 +226,8 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
     / N + eps), which `quant_matmul_rscaled` folds into the next GEMV, and on the i8 path
     (DIGITS_EPILOGUE, N a multiple of 512) dg: xw's digits for it (digits.empty), else None.
     digits_in: x's digits made before (digits.empty's layout; for gemv_i8, else unread).
-    None where it does not
-    apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off, M > 1, a shape or dtype the
-    tensor-core GEMV does not take)."""
+    None where it does not apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off,
+    M > 1, a shape or dtype the tensor-core GEMV does not take)."""
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     n = qa.shape[1]
     if not (RESIDUAL_NORM_FOLD and (gscale is None or GATED_NORM_FOLD)
@@ -288,16 +287,20 @@ def quant_mlp_i8(xw: torch.Tensor, ss: torch.Tensor, eps: float, dg: torch.Tenso
     k, n1, n2 = xw.shape[1], qa1.shape[1], qa2.shape[1]
     if not (DIGITS_EPILOGUE and RESIDUAL_NORM_FOLD and n1 % 2 == 0 and xw.is_contiguous()
             and ss.is_contiguous() and ss.dim() == 1 and residual.shape == (1, n2)
-            and sz2.shape[0] * g2 == n1 // 2
+            and residual.is_contiguous() and norm_weight.is_contiguous()
+            and residual.dtype == norm_weight.dtype == xw.dtype and sz2.shape[0] * g2 == n1 // 2
             and _takes_gemv_i8(xw, k, n1, b1, g1) and _takes_gemv_i8(xw, n1 // 2, n2, b2, g2)
+            and _takes_gemv_tc(xw, n1 // 2, n2, b2, g2)  # (what the down's call checks too)
             and digits.fits(n1 // 2, 32 * gemv_i8.CONFIG[b1]["reps"])):
         return None
     sd = digits.empty(n1 // 2, xw.device)
     gu = gemv_i8.gemv_i8(xw, qa1, qb1, sz1, b1, g1, rscale=(ss, eps), out_swiglu_digits=sd,
                          digits=None if dg is None else digits.views(dg, b1),
                          **gemv_i8.CONFIG[b1])
-    return quant_matmul_residual_norm(gu, residual, norm_weight, qa2, qb2, sz2, b2, g2,
-                                      swiglu=True, digits_in=sd)
+    r = quant_matmul_residual_norm(gu, residual, norm_weight, qa2, qb2, sz2, b2, g2,
+                                   swiglu=True, digits_in=sd)
+    assert r is not None  # (its conditions were checked above)
+    return r
 
 
 def quant_matmul_grouped(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
