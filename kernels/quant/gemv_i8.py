@@ -12,8 +12,8 @@ element (per group g of G inputs):
     y[n] = sum_g s[n, g] (sx_g (128 S1 + S0) - z[n, g] sx_g sum xi_g)
 
 so x is kept to 15 bits of its group's maximum (the result's error equals gemv_tc's).
-digits.py makes (xd, xg) from x in one small launch (`x_digits`), or the residual epilogue
-of the GEMV that produced x writes them (`out_digits`); the naive reference is
+digits.py makes (xd, xg) from x in one small launch (`x_digits`), or the GEMV that produced
+x writes them in its epilogue (`out_digits`, `out_swiglu_digits`); the naive reference is
 naive.naive_x_digits. The fragment trick is gemv_tc's: lane (g, c) holds group c's codes as
 its A columns; B column col holds group col // 2's digits (lanes g // 2 == c supply them),
 d1 in even columns and d0 in odd, so one mma gives a lane both digits' sums for its rows.
