@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
+from volundr.kernels.quant.gemv import _workspace
 from volundr.kernels.quant.naive import XMAX
 
 XMAX_C = tl.constexpr(XMAX)
@@ -197,3 +198,23 @@ def epilogue_kwargs(dg: torch.Tensor, n: int, bn: int, cnt: torch.Tensor, n_tile
     assert dg.dtype == torch.int32 and dg.numel() == 130 * (nx // G_DIGITS)
     assert cnt.numel() >= n_tiles + nx // G_DIGITS
     return dict(dg_ptr=dg, dcnt_ptr=cnt[n_tiles:], DIGITS=not swiglu, SWD=swiglu)
+
+
+def workspace(out: torch.Tensor, n: int, n_tiles: int, splits: int, bn: int,
+              residual: tuple | None, out_digits: torch.Tensor | None,
+              out_swiglu_digits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(ws, cnt, kwargs) of a GEMV launch (gemv_tc, gemv_i8) with N = n in n_tiles tiles of bn
+    rows and `splits` splits: split-K's partials and tile counters (gemv._workspace; `out`
+    stands for both where neither is read), then one counter per group of the digits it
+    writes, and `epilogue_kwargs` for them ({} without). out_digits: a residual epilogue's;
+    out_swiglu_digits: an MLP gate_up's, of SiLU(gate) * up (at most one of the two)."""
+    assert out_digits is None or out_swiglu_digits is None
+    dg, swd = (out_digits, False) if out_swiglu_digits is None else (out_swiglu_digits, True)
+    ws, cnt = out, out
+    if splits > 1 or dg is not None:  # tile counters, then the digits' group counters
+        ws, cnt = _workspace(out.device, n_tiles + (0 if dg is None else n // G_DIGITS),
+                             splits * n)
+    if dg is None:
+        return ws, cnt, {}
+    assert (residual is not None) != swd, "out_digits: with residual; swiglu ones: without"
+    return ws, cnt, epilogue_kwargs(dg, n, bn, cnt, n_tiles, swd)

@@ -38,12 +38,10 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
-from volundr.kernels.quant.digits import G_DIGITS, nb, plane_rows, x_digits  # noqa: F401
-from volundr.kernels.quant.digits import epilogue as digits_epilogue
-from volundr.kernels.quant.digits import epilogue_kwargs as digits_kwargs
-from volundr.kernels.quant.digits import swiglu_epilogue as digits_swiglu_epilogue
-from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
-from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _residual_epilogue, residual_kwargs
+from volundr.kernels.quant.digits import nb, plane_rows, x_digits  # noqa: F401
+from volundr.kernels.quant.digits import workspace as digits_workspace
+from volundr.kernels.quant.gemv import split_k, sum_splits
+from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _store_out, residual_kwargs
 
 # per bit width (H100 run 82): reps (BN = 32 reps), programs per SM, register cap
 CONFIG = {2: dict(reps=2, waves=16.0, maxnreg=168), 3: dict(reps=2, waves=16.0, maxnreg=168),
@@ -258,23 +256,12 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
             tot = sum_splits(ws_ptr + n3, N, num_splits, n3 < N, y) * f
-            if RES:
-                tot = _residual_epilogue(tot, n3, n3 < N, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
-                if DIGITS:
-                    digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
-            tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty))
-            if SWD:
-                digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
+            _store_out(tot, n3, n3 < N, y_ptr, pid_n, N, BN, r_ptr, nw_ptr, xs_ptr, ss_ptr,
+                       dg_ptr, dcnt_ptr, RES, DIGITS, SWD, False, False)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
-        y = y * f
-        if RES:
-            y = _residual_epilogue(y, n3, n3 < N, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n)
-            if DIGITS:
-                digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
-        tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty))
-        if SWD:
-            digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
+        _store_out(y * f, n3, n3 < N, y_ptr, pid_n, N, BN, r_ptr, nw_ptr, xs_ptr, ss_ptr,
+                   dg_ptr, dcnt_ptr, RES, DIGITS, SWD, False, False)
 
 
 def supported(x: torch.Tensor, bits: int, group_size: int, n: int, k: int,
@@ -314,20 +301,15 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    dg, swd = (out_digits, False) if out_swiglu_digits is None else (out_swiglu_digits, True)
-    assert out_digits is None or out_swiglu_digits is None
-    ws, cnt = out, out  # (unread without split-K or digits)
-    if ns > 1 or dg is not None:  # tile counters, then the digits' group counters
-        ws, cnt = _workspace(qa.device, n_tiles + (0 if dg is None else n // G_DIGITS), ns * n)
+    ws, cnt, dkw = digits_workspace(out, n, n_tiles, ns, 32 * reps, residual, out_digits,
+                                    out_swiglu_digits)
     rs, eps = rscale if rscale is not None else (xg[0], 0.0)  # (unread without rscale)
     assert rs.dtype == torch.float32 and rs.dim() == 1
     n_rs = rs.numel() if rscale is not None else 1
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
     if residual is not None:
         kw.update(residual_kwargs(residual, out, x.dtype, n, n_tiles))
-    if dg is not None:
-        assert (residual is not None) != swd, "out_digits: with residual; swiglu ones: without"
-        kw.update(digits_kwargs(dg, n, 32 * reps, cnt, n_tiles, swd))
+    kw.update(dkw)
     gemv_i8_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, rs, num_groups, sps, ns,
         n_rs, eps, N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps,

@@ -44,11 +44,10 @@ import triton.language as tl
 
 from volundr.kernels import pdl
 from volundr.kernels.grid_sync import grid_wait
-from volundr.kernels.quant.digits import G_DIGITS
 from volundr.kernels.quant.digits import epilogue as digits_epilogue
-from volundr.kernels.quant.digits import epilogue_kwargs as digits_kwargs
 from volundr.kernels.quant.digits import swiglu_epilogue as digits_swiglu_epilogue
-from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
+from volundr.kernels.quant.digits import workspace as digits_workspace
+from volundr.kernels.quant.gemv import split_k, sum_splits
 
 MAGIC = 0x43004300  # bf16x2 (128, 128): a code OR-ed into the mantissa reads 128 + q 2^o
 NEG0 = 0x80008000  # bf16x2 (-0, -0): fma(a, b, -0) = a * b exactly, sign of 0 kept
@@ -355,6 +354,25 @@ def _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n,
 
 
 @triton.jit
+def _store_out(y, n3, ymask, y_ptr, pid_n, N, BN: tl.constexpr, r_ptr, nw_ptr, xs_ptr, ss_ptr,
+               dg_ptr, dcnt_ptr, RES: tl.constexpr, DIGITS: tl.constexpr, SWD: tl.constexpr,
+               CG: tl.constexpr, MASKED: tl.constexpr):
+    """A tile's final sums y [Q, L, 4] (rows n3) out, for gemv_tc and gemv_i8: RES's epilogue
+    (with DIGITS, x' = h w's digits: digits.epilogue), y's store (masked where MASKED), then
+    SWD's digits of SiLU(gate) * up, which read the stored y back (digits.swiglu_epilogue)."""
+    if RES:
+        y = _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n, CG)
+        if DIGITS:
+            digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
+    if MASKED:
+        tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
+    else:
+        tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty))
+    if SWD:
+        digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
+
+
+@triton.jit
 def _prefetch_rows(ptr, row0, row1, col0, N, PF_ASM: tl.constexpr):
     """L2 prefetch of int32 rows row0 .. row1 - 1, columns col0 .. col0 + BN (PF_ASM's size),
     of a [rows, N] plane: 32 rows per pass, a lane each."""
@@ -612,25 +630,14 @@ def _tile(pid_n, pid_k, x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                 tot = tot * tl.rsqrt(sst / (num_groups * G) + eps)
             if RSCALE:
                 tot = tot * tl.rsqrt(ss / (num_groups * G) + eps)
-            if RES:
-                tot = _residual_epilogue(tot, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n,
-                                         CG)
-                if DIGITS:
-                    digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
-            tl.store(y_ptr + n3, tot.to(y_ptr.dtype.element_ty), mask=ymask)
-            if SWD:
-                digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
+            _store_out(tot, n3, ymask, y_ptr, pid_n, N, BN, r_ptr, nw_ptr, xs_ptr, ss_ptr,
+                       dg_ptr, dcnt_ptr, RES, DIGITS, SWD, CG, True)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
     else:
         if NORM or RSCALE:
             y = y * tl.rsqrt(ss / (num_groups * G) + eps)
-        if RES:
-            y = _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n, CG)
-            if DIGITS:
-                digits_epilogue(xs_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
-        tl.store(y_ptr + n3, y.to(y_ptr.dtype.element_ty), mask=ymask)
-        if SWD:
-            digits_swiglu_epilogue(y_ptr, dg_ptr, dcnt_ptr, pid_n, N, BN)
+        _store_out(y, n3, ymask, y_ptr, pid_n, N, BN, r_ptr, nw_ptr, xs_ptr, ss_ptr, dg_ptr,
+                   dcnt_ptr, RES, DIGITS, SWD, CG, True)
 
 
 @triton.jit
@@ -813,11 +820,8 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
     sps, ns = split_k(n_tiles, n_sets, x.device, waves, splits)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    dg, swd = (out_digits, False) if out_swiglu_digits is None else (out_swiglu_digits, True)
-    assert out_digits is None or out_swiglu_digits is None
-    ws, cnt = out, out  # (unread without split-K or digits)
-    if ns > 1 or dg is not None:  # tile counters, then the digits' group counters
-        ws, cnt = _workspace(x.device, n_tiles + (0 if dg is None else n // G_DIGITS), ns * n)
+    ws, cnt, dkw = digits_workspace(out, n, n_tiles, ns, bn, residual, out_digits,
+                                    out_swiglu_digits)
     nkw = {}
     if norm is not None:
         res, w, eps, h = norm
@@ -838,9 +842,7 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
         assert rs.dtype == torch.float32 and rs.dim() == 1, "rscale: rs [P] fp32"
         nkw = dict(rs_ptr=rs, n_rs=rs.numel(), eps=float(eps), RSCALE=True,
                    NRS=triton.next_power_of_2(rs.numel()))
-    if dg is not None:
-        assert (residual is not None) != swd, "out_digits: with residual; swiglu ones: without"
-        nkw.update(digits_kwargs(dg, n, bn, cnt, n_tiles, swd))
+    nkw.update(dkw)  # (after rscale's, which replaces nkw)
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
