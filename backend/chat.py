@@ -2,8 +2,9 @@
 
 `render_chat` works like Hugging Face's `apply_chat_template` (sandboxed Jinja, `tojson`,
 `raise_exception`, trim_blocks/lstrip_blocks) after validating OpenAI-style messages: each a dict
-with role system|user|assistant|tool and string content (or a list of text parts, joined with
-newlines). Bad input raises ValueError with a message fit for a 400 response.
+with role system|user|assistant|tool (OpenAI's developer is taken as system) and string content
+(or a list of text parts, joined with newlines). Bad input raises ValueError with a message fit
+for a 400 response.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def validate_messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be an object with role and content")
         role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for the system message
+            role = "system"
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of "
                              f"{', '.join(ROLES)}")
@@ -153,6 +156,8 @@ def validate_tools(tools: Any) -> list[dict] | None:
                              "{\"name\": ..., \"parameters\": {...}}}")
         if isinstance(t, dict) and t.get("type", "function") != "function":
             raise ValueError(f"tools[{i}]: unsupported tool type {t.get('type')!r}")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}]: function.parameters must be a JSON Schema object")
         out.append({"type": "function", "function": f})
     return out or None
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from volundr.clients.openai_render import ChatRender, CompletionRender
 from volundr.clients.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body
@@ -116,6 +117,17 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return e.response()
+
+    @app.exception_handler(HTTPException)  # unknown path, wrong method: OpenAI error JSON too
+    async def _http_error(request: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                        kind).response()
+
+    @app.exception_handler(Exception)  # a bug: still an OpenAI error object, not plain text
+    async def _internal_error(request: Request, e: Exception):
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
+                        code="internal_error").response()
 
     def check_model(name: str) -> None:
         if name != cfg.served_model_name:

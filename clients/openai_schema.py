@@ -6,7 +6,11 @@ import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Request fields travel to Triton as INT32 / INT64 tensors: larger values must not wrap around.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -34,19 +38,24 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0.0)
+    max_tokens: int | None = Field(None, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's range
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     logprobs: bool | int | None = None
+
+    @field_validator("n", "stream", "ignore_eos", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):  # the OpenAI API allows null for these
+        return cls.model_fields[info.field_name].default if v is None else v
 
     def limit(self) -> int | None:
         n = self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -63,6 +72,9 @@ class _Common(BaseModel):
                            "(n=1)", param="n")
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true",
+                           param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 16:
             raise APIError(400, "at most 16 stop strings are supported", param="stop")
@@ -85,10 +97,29 @@ class ChatRequest(_Common):
     def tools_active(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def check(self) -> None:
+        super().check()
+        tc = self.tool_choice
+        if isinstance(tc, str) and tc not in ("none", "auto", "required"):
+            raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                           f"got {tc!r}", param="tool_choice")
+        if isinstance(tc, dict):
+            f = tc.get("function")
+            name = f.get("name") if isinstance(f, dict) else None
+            if tc.get("type") != "function" or not isinstance(name, str):
+                raise APIError(400, "tool_choice must be {\"type\": \"function\", "
+                               "\"function\": {\"name\": ...}}", param="tool_choice")
+            names = [f.get("name") for t in self.tools or []
+                     if isinstance(f := t.get("function", t), dict)]
+            if name not in names:
+                raise APIError(400, f"tool_choice names the function {name!r}, which is not "
+                               "in tools", param="tool_choice")
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
-    echo: bool = False
+    echo: bool | None = False
 
     def text(self) -> str:
         if isinstance(self.prompt, list):

@@ -123,8 +123,18 @@ def test_bad_tools_and_template(template):
         render_chat(template, [{"role": "user", "content": "x"}], tools={"name": "f"})
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         render_chat(template, [{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match=r"tools\[0\]: function.parameters"):
+        render_chat(template, [{"role": "user", "content": "x"}], tools=[
+            {"type": "function", "function": {"name": "f", "parameters": "not a schema"}}])
     with pytest.raises(ValueError, match="does not compile"):
         render_chat("{% for %}", [{"role": "user", "content": "x"}])
+
+
+def test_developer_role_is_a_system_message(template):
+    as_system = render_chat(template, [{"role": "system", "content": "Be terse."},
+                                       {"role": "user", "content": "Hi"}])
+    assert render_chat(template, [{"role": "developer", "content": "Be terse."},
+                                  {"role": "user", "content": "Hi"}]) == as_system
 
 
 def test_load_chat_template_errors(tmp_path):

@@ -11,6 +11,9 @@ import pytest
 
 pytestmark = pytest.mark.server
 MESSAGES = [{"role": "user", "content": "Tell me about Volundr the smith."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +104,7 @@ def test_stop_strings(client):
 
 
 def test_tools_reach_the_template(client):
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = TOOLS
     kw = dict(model="volundr", messages=MESSAGES, max_tokens=4, temperature=0.0)
     plain = client.chat.completions.create(**kw)
     with_tools = client.chat.completions.create(**kw, tools=tools, tool_choice="auto")
@@ -122,6 +123,10 @@ BAD = [
      "max_tokens"),
     (json.dumps({"model": "volundr", "messages": MESSAGES, "temperature": -0.5}).encode(), 400,
      "temperature"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "temperature": float("inf")}).encode(),
+     400, "temperature"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "temperature": 2.5}).encode(), 400,
+     "temperature"),
     (json.dumps({"model": "volundr", "messages": [{"role": "user",
                                                    "content": "forge " * 3000}]}).encode(),
      400, "context"),
@@ -132,12 +137,31 @@ BAD = [
     (json.dumps({"model": "volundr", "messages": MESSAGES, "n": 3}).encode(), 400, "n=3"),
     (json.dumps({"model": "volundr", "messages": [{"role": "robot", "content": "x"}]}).encode(),
      400, "role"),
+    # Values that do not fit Triton's INT32 / INT64 tensors: a 400, not a 500 or a wrapped value
+    # (max_tokens 2**32 + 5 used to become 5).
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "seed": 10**20}).encode(), 400,
+     "seed"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "max_tokens": 2**32 + 5}).encode(),
+     400, "max_tokens"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "top_k": 3 * 10**9}).encode(), 400,
+     "top_k"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "tool_choice": "bogus"}).encode(),
+     400, "tool_choice"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "tools": TOOLS,
+                 "tool_choice": {"type": "function", "function": {"name": "nope"}}}).encode(),
+     400, "tool_choice"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "x"}}]}).encode(),
+     400, "parameters"),
 ]
 
 
 @pytest.mark.parametrize("body,status,needle", BAD, ids=[
     "malformed-json", "no-messages", "empty-messages", "unknown-model", "negative-max-tokens",
-    "negative-temperature", "prompt-too-long", "invalid-utf8", "lone-surrogate", "n3", "role"])
+    "negative-temperature", "infinite-temperature", "temperature-above-2", "prompt-too-long",
+    "invalid-utf8", "lone-surrogate", "n3", "role",
+    "huge-seed", "max-tokens-past-int32", "huge-top-k", "bad-tool-choice",
+    "tool-choice-unknown-function", "tool-parameters-not-an-object"])
 def test_bad_input_is_a_clear_4xx_and_serving_goes_on(serving, client, body, status, needle):
     for stream in (False, True):
         if stream:
@@ -162,3 +186,35 @@ def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="volundr", prompt="forge " * 3000)
     assert e.value.code == "context_length_exceeded"
+
+
+def test_openai_nulls_and_developer_role(serving, client):
+    """Fields the OpenAI API marks nullable may be null; `developer` is a system message."""
+    body = {"model": "volundr", "messages": MESSAGES, "max_tokens": 2, "n": None,
+            "stream": None, "ignore_eos": None}
+    r = httpx.post(f"{serving.proxy_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    r = httpx.post(f"{serving.proxy_url}/v1/completions", timeout=60, json={
+        "model": "volundr", "prompt": "Once", "max_tokens": 2, "echo": None, "n": None})
+    assert r.status_code == 200, r.text
+    system = [{"role": "system", "content": "Be terse."}] + MESSAGES
+    developer = [{"role": "developer", "content": "Be terse."}] + MESSAGES
+    a, b = (client.chat.completions.create(model="volundr", messages=m, max_tokens=1)
+            for m in (system, developer))
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_named_tool_choice_is_accepted(client):
+    r = client.chat.completions.create(
+        model="volundr", messages=MESSAGES, max_tokens=2, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/chat/completions", 405),
+                                                ("POST", "/v1/embeddings", 404)])
+def test_unknown_routes_are_openai_errors(serving, method, path, status):
+    r = httpx.request(method, f"{serving.proxy_url}{path}", json={}, timeout=60)
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}

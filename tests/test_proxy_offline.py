@@ -36,6 +36,26 @@ def test_triton_unavailable_is_503():
         assert r.json()["error"]["type"] == "service_unavailable"
 
 
+def test_requests_checked_before_triton():
+    """Checked in the proxy, before any call to Triton (none runs here)."""
+    app = create_app(ProxyConfig(triton_grpc=f"127.0.0.1:{free_port()}"))
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = [({"stream_options": {"include_usage": True}}, "stream_options"),
+           ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+           ({"temperature": 3.0}, "temperature")]
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+            return [await c.post("/v1/chat/completions",
+                                 json={"model": "volundr", "messages": msgs, **extra})
+                    for extra, _ in bad]
+
+    for r, (_, needle) in zip(asyncio.run(go()), bad):
+        assert r.status_code == 400, r.text
+        assert needle in r.json()["error"]["message"]
+
+
 def deltas(text: str, step: int = 3, reason: str = "stop") -> list[Delta]:
     parts = [text[i:i + step] for i in range(0, len(text), step)]
     return [Delta(p, reason if i == len(parts) - 1 else "", 10, i + 1, i == len(parts) - 1)
@@ -92,3 +112,25 @@ def test_server_errors_map_to_openai_statuses():
     assert (long.status, long.code) == (400, "context_length_exceeded")
     assert triton_error(RuntimeError("invalid request: bad seed")).status == 400
     assert triton_error(RuntimeError("something else")).status == 500
+
+
+def test_unexpected_errors_are_openai_error_json(monkeypatch):
+    import volundr.clients.openai_proxy as proxy
+
+    def boom(req):
+        raise OverflowError("Python int too large to convert to C long")
+
+    monkeypatch.setattr(proxy, "_tensors", boom)
+    app = create_app(ProxyConfig(triton_grpc=f"127.0.0.1:{free_port()}"))
+
+    async def go():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+            body = {"model": "volundr", "messages": [{"role": "user", "content": "hi"}]}
+            return await c.post("/v1/chat/completions", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "OverflowError" in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}

@@ -1,15 +1,19 @@
 """volundr-serve without starting a server: the model repository files, their filled runtime
-copy, the backend directory, and one-line errors for what a user can fix."""
+copy, the backend directory, and one-line errors for what a user can fix; and one real start to
+check that a second SIGTERM during shutdown leaves nothing behind."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from conftest import _processes_with, free_ports
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
@@ -117,3 +121,37 @@ def test_flags_override_the_profile(tiny_dir):
     assert (o.profile.decode_steps, o.profile.max_num_seqs) == (4, 3)
     assert build_options(parse_args(["--model", str(tiny_dir)])).profile.decode_steps == \
         PROFILES["cpu"].decode_steps
+
+
+@pytest.mark.server
+def test_second_sigterm_during_shutdown_leaves_nothing_behind(tiny_dir, tmp_path):
+    """`make serve` relays a SIGTERM sent to its process group to volundr-serve once more; that
+    second signal used to kill the launcher mid-cleanup, orphaning tritonserver and the proxy
+    (both run in their own sessions)."""
+    http, grpc, metrics, proxy = free_ports(4)
+    cmd = [sys.executable, "-m", "volundr.serve.launcher", "--model", str(tiny_dir),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--proxy-port", str(proxy), "--log-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("volundr-serve: ready"):
+                break
+        else:
+            pytest.fail(f"volundr-serve did not start (rc {proc.wait()})")
+        proc.send_signal(signal.SIGTERM)
+        for line in proc.stdout:
+            if "stopping" in line:
+                break
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # the relayed copy, while stop() runs
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = _processes_with(f"serve-{http}-".encode()) + \
+        _processes_with(f"--port\0{proxy}".encode())
+    for line in left:  # clean up before failing
+        os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    assert rc == 0 and not left, (rc, left)

@@ -212,8 +212,11 @@ Ctrl-C stops both.""", flush=True)
         print(f"volundr-serve: {e}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
+        # A second Ctrl-C or SIGTERM must not skip cleanup (orphaning tritonserver and the
+        # proxy, which run in their own sessions): `make serve` relays a SIGTERM sent to its
+        # process group to this process once more. stop() is bounded (grace, then SIGKILL).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if stack is not None:
             stack.stop()
         if stopping:
