@@ -35,6 +35,11 @@ class ProxyConfig:
     served_model_name: str = "volundr"
     max_model_len: int | None = None
     ensemble: str = "volundr"
+    # Chat: a leading <think>...</think> goes to reasoning_content (off: all of it is content).
+    reasoning_split: bool = True
+    # The chat template opens <think> in the generation prompt (Volundr's does not), so the
+    # generated text starts inside the reasoning.
+    reasoning_opened: bool = False
 
 
 def triton_error(e: Exception) -> APIError:
@@ -175,7 +180,9 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await request.body(), ChatRequest)
-        return await run(request, req, ChatRender(req, cfg.served_model_name))
+        return await run(request, req, ChatRender(req, cfg.served_model_name,
+                                                   reasoning=cfg.reasoning_split,
+                                                   reasoning_opened=cfg.reasoning_opened))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -244,8 +251,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--served-model-name", default="volundr")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--no-reasoning-split", action="store_true",
+                    help="chat: return <think>...</think> inside content, not as "
+                         "reasoning_content")
+    ap.add_argument("--reasoning-opened-in-prompt", action="store_true",
+                    help="the chat template opens <think> in the generation prompt: generated "
+                         "text starts inside the reasoning")
     args = ap.parse_args(argv)
-    cfg = ProxyConfig(args.triton_grpc, args.served_model_name, args.max_model_len)
+    cfg = ProxyConfig(args.triton_grpc, args.served_model_name, args.max_model_len,
+                      reasoning_split=not args.no_reasoning_split,
+                      reasoning_opened=args.reasoning_opened_in_prompt)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
 

@@ -1,7 +1,9 @@
 """Triton deltas -> OpenAI response objects (chat.completion / text_completion, and chunks).
 
-With `tools`, text is streamed until a `<tool_call>` starts; the rest is held back, parsed with
-volundr.chat.parse_tool_calls at the end and sent as `tool_calls` (finish_reason "tool_calls").
+Chat: a leading `<think>...</think>` goes to `reasoning_content` (openai_reasoning; streamed as
+it is generated), the rest to `content`. With `tools`, content is streamed until a `<tool_call>`
+starts; the rest is held back, parsed with volundr.chat.parse_tool_calls at the end and sent as
+`tool_calls` (finish_reason "tool_calls"). Tool calls are only looked for in the content.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import time
 import uuid
 
 from volundr.chat import parse_tool_calls
+from volundr.clients.openai_reasoning import ReasoningSplitter, split_all
 from volundr.clients.openai_schema import ChatRequest, CompletionRequest, finish_reason
 from volundr.clients.triton import Delta
 from volundr.serve.stop import partial_stop_len
@@ -37,12 +40,17 @@ def _tool_calls(calls: list[dict], indexed: bool) -> list[dict]:
 class ChatRender:
     id_prefix = "chatcmpl"
 
-    def __init__(self, req: ChatRequest, model: str):
+    def __init__(self, req: ChatRequest, model: str, reasoning: bool = True,
+                 reasoning_opened: bool = False):
+        """`reasoning`: split `<think>...</think>` off into reasoning_content (off: all text is
+        content); `reasoning_opened`: the template opens `<think>` in the prompt."""
         self.req, self.model = req, model
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.tools = req.tools_active()
-        self.text = ""
+        self.reasoning, self.opened = reasoning, reasoning_opened
+        self.splitter = ReasoningSplitter(reasoning_opened) if reasoning else None
+        self.text = ""  # the content part of the generated text (without the reasoning)
         self.sent = 0  # characters of self.text already streamed
         self.holding = False  # a <tool_call> started: hold the rest for parsing
 
@@ -59,7 +67,15 @@ class ChatRender:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def delta(self, d: Delta) -> list[dict]:
-        self.text += d.text
+        if self.splitter is None:
+            return self._content(d.text)
+        reasoning, content = self.splitter.feed(d.text)
+        out = [self._chunk({"reasoning_content": reasoning})] if reasoning else []
+        return out + self._content(content)
+
+    def _content(self, text: str) -> list[dict]:
+        """Chunks for more content text: all of it, except what may be or is a tool call."""
+        self.text += text
         end = len(self.text)
         if self.tools and not self.holding:
             at = self.text.find(TOOL_OPEN, self.sent)
@@ -76,6 +92,11 @@ class ChatRender:
 
     def finish(self, last: Delta | None) -> list[dict]:
         out, reason = [], finish_reason(last.finish_reason if last else "stop")
+        if self.splitter is not None:  # release what was held back as a possible tag
+            reasoning, content = self.splitter.end()
+            if reasoning:
+                out.append(self._chunk({"reasoning_content": reasoning}))
+            self.text += content
         tail = self.text[self.sent:]
         calls = []
         if self.tools and tail:
@@ -97,6 +118,11 @@ class ChatRender:
         text = "".join(d.text for d in deltas)
         message: dict = {"role": "assistant", "content": text}
         reason = finish_reason(last.finish_reason if last else "stop")
+        if self.reasoning:
+            reasoning, rest = split_all(text, self.opened)
+            if reasoning is not None:  # without a reasoning part the message is as before
+                text = rest
+                message["content"], message["reasoning_content"] = text or None, reasoning or None
         if self.tools:
             rest, calls = parse_tool_calls(text)
             if calls:

@@ -1,5 +1,6 @@
-"""The proxy without a server: 503 when Triton is unreachable, and how tool calls in generated
-text become OpenAI `tool_calls` (streamed and not)."""
+"""The proxy without a server: 503 when Triton is unreachable, and how tool calls and reasoning
+(`<think>...</think>`) in generated text become OpenAI `tool_calls` and `reasoning_content`
+(streamed and not)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,167 @@ def test_unexpected_errors_are_openai_error_json(monkeypatch):
     err = r.json()["error"]
     assert err["type"] == "server_error" and "OverflowError" in err["message"]
     assert set(err) == {"message", "type", "param", "code"}
+
+
+# ---- reasoning: <think>...</think> -> reasoning_content -------------------------------------
+
+THOUGHT = ("<think>\nThe user asks about Oslo.\n\nCheck the weather.\n</think>\n\n"
+           "It is cold in Oslo.")
+THOUGHT_TOOL = ('<think>\nMaybe <tool_call>{"name": "get_weather", "arguments": {"city": "Bergen"}}'
+                '</tool_call>? No, Oslo.\n</think>\n\n<tool_call>{"name": "get_weather", '
+                '"arguments": {"city": "Oslo"}}</tool_call>')
+UNFINISHED = "<think>\nStill weighing Oslo against Bergen\n\n"
+
+
+def chat_render(tools: bool = False, stream: bool = False, **kw) -> ChatRender:
+    req = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}],
+                      tools=TOOLS if tools else None, stream=stream)
+    return ChatRender(req, "volundr", **kw)
+
+
+def streamed(text: str, step: int, reason: str = "stop", tools: bool = False, **kw):
+    """(reasoning, content, tool calls, finish_reason, chunks) of `text` streamed in deltas of
+    `step` characters; checks the reasoning is sent as it comes, before any content."""
+    r = chat_render(tools, stream=True, **kw)
+    ds = deltas(text, step, reason)
+    chunks = r.start() + [c for d in ds for c in r.delta(d)] + r.finish(ds[-1])
+    got = [c["choices"][0]["delta"] for c in chunks]
+    kinds = [k for d in got for k in ("reasoning_content", "content") if d.get(k)]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")  # reasoning first
+    calls = [tc for d in got for tc in d.get("tool_calls", [])]
+    return ("".join(d.get("reasoning_content", "") for d in got),
+            "".join(d.get("content") or "" for d in got), calls,
+            chunks[-1]["choices"][0]["finish_reason"], chunks)
+
+
+def message(text: str, reason: str = "stop", tools: bool = False, **kw) -> tuple[dict, str]:
+    out = chat_render(tools, **kw).full(deltas(text, 4, reason))["choices"][0]
+    return out["message"], out["finish_reason"]
+
+
+def test_reasoning_is_split_off():
+    msg, reason = message(THOUGHT)
+    assert msg == {"role": "assistant", "content": "It is cold in Oslo.",
+                   "reasoning_content": "The user asks about Oslo.\n\nCheck the weather."}
+    assert reason == "stop"
+    for step in range(1, len(THOUGHT) + 1):  # every way the tags can be cut
+        reasoning, content, calls, reason, chunks = streamed(THOUGHT, step)
+        assert (reasoning, content, calls, reason) == (msg["reasoning_content"], msg["content"],
+                                                       [], "stop"), step
+        if step < 20:  # streamed while generated: several pieces, all before </think> arrived
+            pieces = [c for c in chunks if c["choices"][0]["delta"].get("reasoning_content")]
+            assert len(pieces) > 1, step
+    # Whitespace before <think> belongs to neither part (as in volundr.chat.split_reasoning).
+    for text in (" \n" + THOUGHT, "\n" + THOUGHT):
+        assert message(text)[0] == msg
+        assert streamed(text, 1)[:2] == (msg["reasoning_content"], msg["content"])
+
+
+def test_reasoning_then_tool_call():
+    msg, reason = message(THOUGHT_TOOL, tools=True)
+    assert reason == "tool_calls" and msg["content"] is None
+    bergen = '<tool_call>{"name": "get_weather", "arguments": {"city": "Bergen"}}</tool_call>'
+    assert msg["reasoning_content"] == f"Maybe {bergen}? No, Oslo."  # not parsed as a call
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("get_weather", {"city": "Oslo"})]
+    for step in range(1, len(THOUGHT_TOOL) + 1):
+        reasoning, content, calls, reason, _ = streamed(THOUGHT_TOOL, step, tools=True)
+        assert (reasoning, content, reason) == (msg["reasoning_content"], "", "tool_calls")
+        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in calls] == [(0, "get_weather", {"city": "Oslo"})], step
+
+
+def test_unfinished_reasoning_is_all_reasoning():
+    msg, reason = message(UNFINISHED, reason="length")
+    assert msg == {"role": "assistant", "content": None,
+                   "reasoning_content": "Still weighing Oslo against Bergen"}
+    assert reason == "length"
+    for step in range(1, len(UNFINISHED) + 1):
+        assert streamed(UNFINISHED, step, reason="length")[:4] == (
+            "Still weighing Oslo against Bergen", "", [], "length"), step
+    cut = "<think>\nOslo\n</thi"  # max_tokens inside the tag: that was not a tag after all
+    assert message(cut, reason="length")[0]["reasoning_content"] == "Oslo\n</thi"
+    assert streamed(cut, 1, reason="length")[0] == "Oslo\n</thi"
+
+
+@pytest.mark.parametrize("text", ["It is cold. <think>not at the start</think>",
+                                  " \n <thinking> is no tag", "<thi", "  ", GENERATED])
+def test_without_reasoning_everything_is_content(text):
+    msg, _ = message(text)
+    assert msg == {"role": "assistant", "content": text}  # exactly as without the split
+    for step in range(1, len(text) + 1):
+        assert streamed(text, step)[:3] == ("", text, []), step
+
+
+def test_reasoning_split_can_be_turned_off():
+    for text in (THOUGHT, UNFINISHED):
+        assert message(text, reasoning=False)[0] == {"role": "assistant", "content": text}
+        for step in range(1, len(text) + 1):
+            assert streamed(text, step, reasoning=False)[:2] == ("", text), step
+    msg, reason = message(THOUGHT_TOOL, tools=True, reasoning=False)
+    assert msg["content"].startswith("<think>\nMaybe") and len(msg["tool_calls"]) == 2
+
+
+def test_reasoning_opened_in_prompt():
+    """A template that ends the prompt in <think>: the text starts inside the reasoning."""
+    text = "The user asks about Oslo.\n</think>\n\nIt is cold in Oslo."
+    want = {"role": "assistant", "content": "It is cold in Oslo.",
+            "reasoning_content": "The user asks about Oslo."}
+    for t in (text, "<think>\n" + text):  # a <think> the model writes anyway is dropped
+        assert message(t, reasoning_opened=True)[0] == want
+        for step in range(1, len(t) + 1):
+            assert streamed(t, step, reasoning_opened=True)[:2] == (
+                want["reasoning_content"], want["content"]), step
+    assert message(text)[0] == {"role": "assistant", "content": text}  # default: not opened
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_proxy_config_reaches_the_chat_endpoint(monkeypatch, split):
+    """ProxyConfig.reasoning_split, through HTTP, with Triton faked; and the CLI flag."""
+    import volundr.clients.openai_proxy as proxy
+
+    class FakeTriton:
+        def __init__(self, *a, **kw) -> None:
+            pass
+
+        @staticmethod
+        def inputs(**fields):
+            return fields
+
+        async def stream(self, inputs, request_id=None):
+            for d in deltas(THOUGHT, 5):
+                yield d
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(proxy, "VolundrTriton", FakeTriton)
+    app = create_app(ProxyConfig(reasoning_split=split))
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+            body = {"model": "volundr", "messages": [{"role": "user", "content": "hi"}]}
+            return (await c.post("/v1/chat/completions", json=body),
+                    await c.post("/v1/chat/completions", json={**body, "stream": True}))
+
+    whole, sse = asyncio.run(go())
+    msg = whole.json()["choices"][0]["message"]
+    events = [json.loads(line[6:]) for line in sse.text.splitlines()
+              if line.startswith("data: {")]
+    got = [e["choices"][0]["delta"] for e in events]
+    fields = ("".join(d.get("reasoning_content", "") for d in got),
+              "".join(d.get("content") or "" for d in got))
+    if split:
+        assert msg["reasoning_content"] == "The user asks about Oslo.\n\nCheck the weather."
+        assert msg["content"] == "It is cold in Oslo."
+        assert fields == (msg["reasoning_content"], msg["content"])
+    else:
+        assert msg == {"role": "assistant", "content": THOUGHT}
+        assert fields == ("", THOUGHT)
+
+    seen = []
+    monkeypatch.setattr(proxy, "create_app", lambda cfg: seen.append(cfg))
+    monkeypatch.setattr("uvicorn.run", lambda *a, **kw: None)
+    proxy.main([] if split else ["--no-reasoning-split"])
+    assert seen[0].reasoning_split is split and seen[0].reasoning_opened is False

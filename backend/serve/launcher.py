@@ -135,6 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve Triton only (HTTP/gRPC), without the OpenAI proxy")
     ap.add_argument("--served-model-name", default="volundr",
                     help="the model name the OpenAI API answers to")
+    ap.add_argument("--no-reasoning-split", action="store_true",
+                    help="chat: return the model's <think>...</think> inside content instead of "
+                         "as reasoning_content")
+    ap.add_argument("--reasoning-opened-in-prompt", action="store_true",
+                    help="the checkpoint's chat template opens <think> in the generation prompt "
+                         "(the Volundr template does not): generated text starts as reasoning")
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="where the server logs go (default: a run directory in the cache)")
@@ -163,7 +169,8 @@ def build_options(args: argparse.Namespace):
                         metrics_port=args.metrics_port, proxy_port=args.proxy_port,
                         served_model_name=args.served_model_name,
                         startup_timeout_s=args.startup_timeout, log_dir=args.log_dir,
-                        proxy=not args.no_proxy)
+                        proxy=not args.no_proxy, reasoning_split=not args.no_reasoning_split,
+                        reasoning_opened=args.reasoning_opened_in_prompt)
 
 
 def main(argv: list[str] | None = None) -> int:

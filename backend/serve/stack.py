@@ -40,6 +40,8 @@ class StackOptions:
     startup_timeout_s: float = 600.0
     log_dir: Path | None = None  # default: the run directory
     proxy: bool = True  # also start the OpenAI proxy
+    reasoning_split: bool = True  # proxy: <think>...</think> -> reasoning_content
+    reasoning_opened: bool = False  # proxy: the chat template opens <think> in the prompt
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -169,6 +171,10 @@ class ServingStack:
                "--host", o.host, "--port", str(o.proxy_port), "--triton-grpc", self.grpc_url,
                "--served-model-name", o.served_model_name,
                "--max-model-len", str(o.profile.max_model_len)]
+        if not o.reasoning_split:
+            cmd.append("--no-reasoning-split")
+        if o.reasoning_opened:
+            cmd.append("--reasoning-opened-in-prompt")
         with open(self.proxy_log, "wb") as log:
             self.proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
