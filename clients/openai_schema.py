@@ -72,6 +72,14 @@ class _Common(BaseModel):
                            "(n=1)", param="n")
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        extra = self.model_extra or {}
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = extra.get(name)  # 0 (1 for repetition_penalty) is the default and fine
+            if v is not None and v != (1 if name == "repetition_penalty" else 0):
+                raise APIError(400, f"{name} is not supported (got {v!r}); send 0 or leave it "
+                               "out", param=name)
+        if extra.get("logit_bias"):  # {} and null are fine
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")

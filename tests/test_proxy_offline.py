@@ -43,7 +43,10 @@ def test_requests_checked_before_triton():
     msgs = [{"role": "user", "content": "hi"}]
     bad = [({"stream_options": {"include_usage": True}}, "stream_options"),
            ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
-           ({"temperature": 3.0}, "temperature")]
+           ({"temperature": 3.0}, "temperature"),
+           ({"presence_penalty": 0.5}, "presence_penalty"),
+           ({"frequency_penalty": -1}, "frequency_penalty"),
+           ({"logit_bias": {"42": 5}}, "logit_bias")]
 
     async def go():
         transport = httpx.ASGITransport(app=app)
@@ -55,6 +58,10 @@ def test_requests_checked_before_triton():
     for r, (_, needle) in zip(asyncio.run(go()), bad):
         assert r.status_code == 400, r.text
         assert needle in r.json()["error"]["message"]
+    # the defaults pass the checks and reach (the missing) Triton: 503
+    bad = [({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+             "repetition_penalty": 1.0, "stream": True, "stream_options": {}}, "")]
+    assert [r.status_code for r in asyncio.run(go())] == [503]
 
 
 def deltas(text: str, step: int = 3, reason: str = "stop") -> list[Delta]:
