@@ -111,9 +111,11 @@ GEMV_CHAIN = os.environ.get("VOLUNDR_GEMV_CHAIN", "0") == "1"
 # On the i8 path the GEMVs that produce a gemv_i8's x can write its int8 digits (digits.py)
 # instead of a launch before it: the output projections' residual epilogues for the next input
 # projection, an MLP's gate_up for its down projection (`quant_mlp_i8`): all 199 digits
-# launches per token of Volundr-32B's decode step but the first layer's. Tested in the
-# interpreter (gemv_tc's epilogues) and compiled for sm_90, not yet run on a GPU (session 21
-# had no device time left): opt-in, VOLUNDR_I8_DIGITS_EPILOGUE=1.
+# launches per token of Volundr-32B's decode step but the first layer's. Right on the GPU (H100
+# runs 89-91: the same greedy ids at batch 1 and 16) but slower: graph 6.18 vs 6.01 ms per
+# token (probably: each group's last tile waits on its counter and re-reads the group, so the
+# producer ends later than the ~1.5 us digits launch it saves; not profiled).
+# Opt-in: VOLUNDR_I8_DIGITS_EPILOGUE=1.
 DIGITS_EPILOGUE = os.environ.get("VOLUNDR_I8_DIGITS_EPILOGUE", "0") == "1"
 FUSED_MAX_M = 128
 
