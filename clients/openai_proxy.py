@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,6 +43,11 @@ class ProxyConfig:
     reasoning_opened: bool = False
 
 
+# Request fields that the server's 400 messages start with (preprocessing, the engine).
+ERROR_PARAMS = {"messages", "tools", "tool_choice", "stop", "chat_template_kwargs", "max_tokens",
+                "seed", "temperature", "top_p", "top_k", "min_p"}
+
+
 def triton_error(e: Exception) -> APIError:
     if isinstance(e, TritonUnavailable):
         return APIError(503, str(e), "service_unavailable", code="service_unavailable")
@@ -54,7 +60,10 @@ def triton_error(e: Exception) -> APIError:
         at = msg.find(marker)
         if at >= 0:
             text = msg[at + len(marker):].strip()
-            return APIError(400, text, code=code)
+            # "messages[2]: unknown role ...", "stop: ...": name the request field it is about
+            m = re.match(r"(\w+)", text)
+            param = m.group(1) if m and m.group(1) in ERROR_PARAMS else None
+            return APIError(400, text, code=code, param=param)
     return APIError(500, f"inference failed: {msg}", "server_error", code="internal_error")
 
 

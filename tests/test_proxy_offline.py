@@ -119,6 +119,10 @@ def test_server_errors_map_to_openai_statuses():
     long = triton_error(RuntimeError("prompt too long: the prompt has 9000 tokens"))
     assert (long.status, long.code) == (400, "context_length_exceeded")
     assert triton_error(RuntimeError("invalid request: bad seed")).status == 400
+    role = triton_error(RuntimeError("invalid request: messages[1]: unknown role 'x'"))
+    assert (role.status, role.param) == (400, "messages")
+    assert triton_error(RuntimeError("invalid request: stop strings are too long")).param == "stop"
+    assert triton_error(RuntimeError("invalid request: send exactly one of ...")).param is None
     assert triton_error(RuntimeError("something else")).status == 500
 
 
