@@ -48,7 +48,7 @@ class ChatRender:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.tools = req.tools_active()
-        self.reasoning, self.opened = reasoning, reasoning_opened
+        self.opened = reasoning_opened
         self.splitter = ReasoningSplitter(reasoning_opened) if reasoning else None
         self.text = ""  # the content part of the generated text (without the reasoning)
         self.sent = 0  # characters of self.text already streamed
@@ -118,7 +118,7 @@ class ChatRender:
         text = "".join(d.text for d in deltas)
         message: dict = {"role": "assistant", "content": text}
         reason = finish_reason(last.finish_reason if last else "stop")
-        if self.reasoning:
+        if self.splitter is not None:  # (the whole text at once, by the same rules)
             reasoning, rest = split_all(text, self.opened)
             if reasoning is not None:  # without a reasoning part the message is as before
                 text = rest

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # Request fields travel to Triton as INT32 / INT64 tensors: larger values must not wrap around.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Sampling options this server does not implement, with the value that means "off".
+UNSUPPORTED_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
 class APIError(Exception):
@@ -73,9 +75,9 @@ class _Common(BaseModel):
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         extra = self.model_extra or {}
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            v = extra.get(name)  # 0 (1 for repetition_penalty) is the default and fine
-            if v is not None and v != (1 if name == "repetition_penalty" else 0):
+        for name, default in UNSUPPORTED_DEFAULTS.items():  # the default value is fine
+            v = extra.get(name)
+            if v is not None and v != default:
                 raise APIError(400, f"{name} is not supported (got {v!r}); send 0 or leave it "
                                "out", param=name)
         if extra.get("logit_bias"):  # {} and null are fine
@@ -118,8 +120,8 @@ class ChatRequest(_Common):
             if tc.get("type") != "function" or not isinstance(name, str):
                 raise APIError(400, "tool_choice must be {\"type\": \"function\", "
                                "\"function\": {\"name\": ...}}", param="tool_choice")
-            names = [f.get("name") for t in self.tools or []
-                     if isinstance(f := t.get("function", t), dict)]
+            names = [fn.get("name") for t in self.tools or []
+                     if isinstance(fn := t.get("function", t), dict)]
             if name not in names:
                 raise APIError(400, f"tool_choice names the function {name!r}, which is not "
                                "in tools", param="tool_choice")
