@@ -160,9 +160,10 @@ def check_model_digits(seed: int) -> None:
             y = run_layers(layers, h0, b)
         out[on] = (y, [lay.kda.state.clone() for lay in layers], calls.call_count)
     (y1, s1, n1), (y0, s0, n0) = out[True], out[False]
-    # gate_up's and down's launches go in both layers, and the second in_proj's where it is on
-    # gemv_i8; the first in_proj's input comes from a norm kernel
-    assert n0 - n1 >= 4 and n1 <= 1, (n1, n0)
+    # gate_up's and down's launches go in both layers but the last down's, and the second
+    # in_proj's; two stay: the first in_proj's input comes from a norm kernel, and the last
+    # layer's MLP has no next norm to fold (run_layers), so it runs unfused (H100 run 92: 2 of 6)
+    assert n0 - n1 >= 4 and n1 <= 2, (n1, n0)
     assert all(_rel(a, c) < 1e-2 for a, c in zip(s1, s0)), "states"
     assert _rel(y1, y0) < 1e-2, _rel(y1, y0)
 

@@ -111,10 +111,11 @@ GEMV_CHAIN = os.environ.get("VOLUNDR_GEMV_CHAIN", "0") == "1"
 # On the i8 path the GEMVs that produce a gemv_i8's x can write its int8 digits (digits.py)
 # instead of a launch before it: the output projections' residual epilogues for the next input
 # projection, an MLP's gate_up for its down projection (`quant_mlp_i8`): all 199 digits
-# launches per token of Volundr-32B's decode step but the first layer's. Right on the GPU (H100
-# runs 89-91: the same greedy ids at batch 1 and 16) but slower: graph 6.18 vs 6.01 ms per
-# token (probably: each group's last tile waits on its counter and re-reads the group, so the
-# producer ends later than the ~1.5 us digits launch it saves; not profiled).
+# launches per token of Volundr-32B's decode step but 6 (the first layer's, and MLPs with no
+# next norm to fold). Right on the GPU (H100 runs 89-92: the same greedy ids at batch 1 and 16)
+# but slower: graph 6.18-6.21 vs 6.01-6.03 ms per token. Run 92's profile: each producer gets
+# ~1.4 us longer (barrier, counter, re-read, two layouts), about the ~1.5 us launch it saves,
+# and the launch hid partly under PDL where the producer's tail does not.
 # Opt-in: VOLUNDR_I8_DIGITS_EPILOGUE=1.
 DIGITS_EPILOGUE = os.environ.get("VOLUNDR_I8_DIGITS_EPILOGUE", "0") == "1"
 FUSED_MAX_M = 128
