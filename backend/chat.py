@@ -5,6 +5,10 @@
 with role system|user|assistant|tool (OpenAI's developer is taken as system) and string content
 (or a list of text parts, joined with newlines). Bad input raises ValueError with a message fit
 for a 400 response.
+
+A `tool_choice` that forces a call ("required", or {"type": "function", "function": {"name":
+...}}) is a prefill, not constrained decoding: `render_chat` appends the opening of an assistant
+tool call (`forced_tool_prefix`) to the prompt, and the reply is read as if it began with it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
@@ -162,19 +167,81 @@ def validate_tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
+def forced_tool_name(tool_choice: Any) -> str | None:
+    """The function a named tool_choice ({"type": "function", "function": {"name": ...}})
+    forces, else None."""
+    f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def forced_tool_prefix(tool_choice: Any) -> str:
+    """What a tool_choice that forces a call pre-fills after the generation prompt ("" for
+    none / auto / absent). The Volundr chat format (VOLUNDR.md; the template's assistant turns)
+    writes a call as `<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>`, nothing between
+    the tag and the JSON: "required" pre-fills the tag, a named function the JSON up to its
+    arguments value too. That ends at `"arguments":`, not at the template's space after it:
+    the tokenizer merges the space into the next token (` {"`), so a prompt ending in a lone
+    space token would be one the model never saw; the model writes ` {...}` itself."""
+    if tool_choice == "required":
+        return TOOL_CALL_OPEN
+    name = forced_tool_name(tool_choice)
+    if name is None:
+        return ""
+    return TOOL_CALL_OPEN + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
+
+
+def validate_tool_choice(tool_choice: Any, tools: list | None) -> None:
+    """ValueError unless tool_choice is absent, "none", "auto", "required" or names a function
+    of `tools` (a forced call needs tools)."""
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return
+    name = forced_tool_name(tool_choice)
+    if tool_choice != "required" and (name is None or tool_choice.get("type") != "function"):
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
+                         '"function", "function": {"name": ...}}')
+    names = [t["function"]["name"] for t in tools or []]
+    if not names:
+        raise ValueError("tool_choice forces a tool call, but there are no tools")
+    if name is not None and name not in names:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+
+
+def _think_left_open(text: str) -> bool:
+    return text.rfind("<think>") > text.rfind("</think>")
+
+
 def render_chat(template: str, messages: list[dict], tools: list | None = None,
-                add_generation_prompt: bool = True, **kwargs: Any) -> str:
+                add_generation_prompt: bool = True, tool_choice: Any = None,
+                **kwargs: Any) -> str:
     """The prompt text for `messages` (extra template variables, e.g. enable_thinking=False,
-    go through **kwargs)."""
+    go through **kwargs). A `tool_choice` that forces a call appends its forced_tool_prefix
+    after the generation prompt."""
     msgs = validate_messages(messages)
     tl = validate_tools(tools)
+    validate_tool_choice(tool_choice, tl)
     from jinja2 import TemplateError
 
-    try:
-        return _compile(template).render(messages=msgs, tools=tl,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
-    except TemplateError as e:
-        raise ValueError(f"chat template failed: {e}") from None
+    def render(gen: bool) -> str:
+        try:
+            return _compile(template).render(messages=msgs, tools=tl, add_generation_prompt=gen,
+                                             **kwargs)
+        except TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from None
+
+    prompt = render(add_generation_prompt)
+    prefix = forced_tool_prefix(tool_choice) if add_generation_prompt else ""
+    if prefix:
+        # A generation prompt that opens <think> (templates served with the proxy's
+        # --reasoning-opened-in-prompt; Volundr's does not, its model opens one itself) is
+        # closed first, as Volundr's enable_thinking=false closes an empty block: the forced
+        # call is the answer, not part of the reasoning. Only the generation prompt is looked
+        # at (the conversation may hold a "<think>"). Volundr's own prompt gets the call right
+        # after `<|im_start|>assistant\n`: no reasoning before a forced call.
+        base = render(False)
+        gen = prompt[len(base):] if prompt.startswith(base) else prompt
+        prompt += ("</think>\n\n" if _think_left_open(gen) else "") + prefix
+    return prompt
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

@@ -75,8 +75,8 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
         fields["messages"] = json.dumps(req.messages, ensure_ascii=False)
         if req.tools_active():
             fields["tools"] = json.dumps(req.tools, ensure_ascii=False)
-        if req.chat_template_kwargs:
-            fields["chat_template_kwargs"] = json.dumps(req.chat_template_kwargs)
+        if kwargs := req.template_kwargs():  # with a forced tool_choice (a prefill)
+            fields["chat_template_kwargs"] = json.dumps(kwargs)
     else:
         fields["text_input"] = req.text()
     for k, v in fields.items():  # lone surrogates (\ud800 in JSON) cannot travel as UTF-8

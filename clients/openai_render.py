@@ -4,6 +4,14 @@ Chat: a leading `<think>...</think>` goes to `reasoning_content` (openai_reasoni
 it is generated), the rest to `content`. With `tools`, content is streamed until a `<tool_call>`
 starts; the rest is held back, parsed with volundr.chat.parse_tool_calls at the end and sent as
 `tool_calls` (finish_reason "tool_calls"). Tool calls are only looked for in the content.
+
+A tool_choice that forces a call pre-fills the call's opening in the prompt (volundr.chat.
+forced_tool_prefix), so the generated text continues it and has no reasoning part. "required":
+prefix + text is parsed as above, all of it held back while streamed; when nothing parses as a
+call, the message is what parse_tool_calls leaves, prefix + text as content (as with "auto",
+nothing the model wrote is lost). A named function: always one call with that name (no content),
+its arguments read by openai_tool_choice.ForcedArguments (valid JSON or not) and streamed as
+they are generated.
 """
 
 from __future__ import annotations
@@ -12,9 +20,10 @@ import json
 import time
 import uuid
 
-from volundr.chat import parse_tool_calls
+from volundr.chat import forced_tool_name, forced_tool_prefix, parse_tool_calls
 from volundr.clients.openai_reasoning import ReasoningSplitter, split_all
 from volundr.clients.openai_schema import ChatRequest, CompletionRequest, finish_reason
+from volundr.clients.openai_tool_choice import ForcedArguments
 from volundr.clients.triton import Delta
 from volundr.serve.stop import partial_stop_len
 
@@ -28,13 +37,22 @@ def _usage(last: Delta | None) -> dict:
 
 
 def _tool_calls(calls: list[dict], indexed: bool) -> list[dict]:
+    """OpenAI tool calls of parsed ones (arguments: a dict, or already the text to send)."""
     out = []
     for i, c in enumerate(calls):
+        args = c["arguments"]
         tc = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-              "function": {"name": c["name"],
-                           "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+              "function": {"name": c["name"], "arguments": args if isinstance(args, str)
+                           else json.dumps(args, ensure_ascii=False)}}
         out.append({"index": i, **tc} if indexed else tc)
     return out
+
+
+def _forced_reason(args: ForcedArguments, reason: str) -> str:
+    """finish_reason of a named call: "length" when max_tokens cut it before `</tool_call>`
+    (as vLLM: a forced call keeps the engine's "length"), else "tool_calls", as this server
+    answers calls under "auto" (OpenAI and vLLM answer a named one with "stop")."""
+    return "length" if reason == "length" and not args.closed else "tool_calls"
 
 
 class ChatRender:
@@ -49,10 +67,17 @@ class ChatRender:
         self.created = int(time.time())
         self.tools = req.tools_active()
         self.opened = reasoning_opened
-        self.splitter = ReasoningSplitter(reasoning_opened) if reasoning else None
-        self.text = ""  # the content part of the generated text (without the reasoning)
+        forced = req.forced_tool_choice()
+        # A forced call: the text continues the pre-filled prefix (no reasoning part).
+        self.splitter = ReasoningSplitter(reasoning_opened) if reasoning and not forced else None
+        self.name = forced_tool_name(forced)  # a named call: its arguments are read apart
+        self.args = ForcedArguments() if self.name else None
+        self.args_sent = ""  # the arguments streamed so far
+        # "required": the text parsed is the prefix + the generated text, all of it held back
+        self.prefix = forced_tool_prefix(forced) if forced == "required" else ""
+        self.text = self.prefix  # the content part of the text (without the reasoning)
         self.sent = 0  # characters of self.text already streamed
-        self.holding = False  # a <tool_call> started: hold the rest for parsing
+        self.holding = forced == "required"  # a <tool_call> started: hold the rest for parsing
 
     def _chunk(self, delta: dict, reason: str | None = None) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -64,9 +89,23 @@ class ChatRender:
         return obj
 
     def start(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        out = [self._chunk({"role": "assistant", "content": ""})]
+        if self.name:  # OpenAI's first delta of a call: index, id, type, name, no arguments yet
+            out.append(self._chunk({"tool_calls": _tool_calls(
+                [{"name": self.name, "arguments": ""}], indexed=True)}))
+        return out
+
+    def _arguments(self, final: bool) -> list[dict]:
+        args = self.args.arguments(final)
+        piece, self.args_sent = args[len(self.args_sent):], args
+        if not piece:
+            return []
+        return [self._chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})]
 
     def delta(self, d: Delta) -> list[dict]:
+        if self.args is not None:
+            self.args.feed(d.text)
+            return self._arguments(final=False)
         if self.splitter is None:
             return self._content(d.text)
         reasoning, content = self.splitter.feed(d.text)
@@ -92,12 +131,14 @@ class ChatRender:
 
     def finish(self, last: Delta | None) -> list[dict]:
         out, reason = [], finish_reason(last.finish_reason if last else "stop")
-        if self.splitter is not None:  # release what was held back as a possible tag
+        if self.args is not None:
+            out, reason = self._arguments(final=True), _forced_reason(self.args, reason)
+        elif self.splitter is not None:  # release what was held back as a possible tag
             reasoning, content = self.splitter.end()
             if reasoning:
                 out.append(self._chunk({"reasoning_content": reasoning}))
             self.text += content
-        tail = self.text[self.sent:]
+        tail = self.text[self.sent:] if self.args is None else ""
         calls = []
         if self.tools and tail:
             tail, calls = parse_tool_calls(tail)
@@ -115,15 +156,21 @@ class ChatRender:
 
     def full(self, deltas: list[Delta]) -> dict:
         last = deltas[-1] if deltas else None
-        text = "".join(d.text for d in deltas)
+        text = self.prefix + "".join(d.text for d in deltas)
         message: dict = {"role": "assistant", "content": text}
         reason = finish_reason(last.finish_reason if last else "stop")
-        if self.splitter is not None:  # (the whole text at once, by the same rules)
+        if self.args is not None:
+            args = ForcedArguments()
+            args.feed(text)
+            message["content"], reason = None, _forced_reason(args, reason)
+            message["tool_calls"] = _tool_calls(
+                [{"name": self.name, "arguments": args.arguments(final=True)}], indexed=False)
+        elif self.splitter is not None:  # (the whole text at once, by the same rules)
             reasoning, rest = split_all(text, self.opened)
             if reasoning is not None:  # without a reasoning part the message is as before
                 text = rest
                 message["content"], message["reasoning_content"] = text or None, reasoning or None
-        if self.tools:
+        if self.tools and self.args is None:
             rest, calls = parse_tool_calls(text)
             if calls:
                 message["content"] = rest or None

@@ -107,6 +107,20 @@ class ChatRequest(_Common):
     def tools_active(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def forced_tool_choice(self) -> str | dict | None:
+        """tool_choice when it forces a call ("required" or a named function), else None."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        return self.tool_choice if forced and self.tools_active() else None
+
+    def template_kwargs(self) -> dict | None:
+        """chat_template_kwargs as sent to preprocessing: a forced tool_choice travels as its
+        key "tool_choice" (preprocessing pre-fills the call's opening), and only the request's
+        own tool_choice does, so the prompt always matches what the reply is parsed as."""
+        kw = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "tool_choice"}
+        if (forced := self.forced_tool_choice()) is not None:
+            kw["tool_choice"] = forced
+        return kw or None
+
     def check(self) -> None:
         super().check()
         tc = self.tool_choice
@@ -114,6 +128,8 @@ class ChatRequest(_Common):
             raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
                            f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
                            f"got {tc!r}", param="tool_choice")
+        if tc == "required" and not self.tools:
+            raise APIError(400, "tool_choice \"required\" needs tools", param="tool_choice")
         if isinstance(tc, dict):
             f = tc.get("function")
             name = f.get("name") if isinstance(f, dict) else None

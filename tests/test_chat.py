@@ -7,11 +7,13 @@ import json
 import pytest
 
 from volundr.chat import (
+    forced_tool_prefix,
     load_chat_template,
     parse_tool_calls,
     render_chat,
     split_reasoning,
 )
+from volundr.clients.openai_tool_choice import ForcedArguments
 from volundr.converter.tiny import build_tiny
 from volundr.converter.tokenizer import load_tokenizer
 
@@ -161,3 +163,95 @@ def test_split_reasoning():
     assert split_reasoning("<think>\nhmm\n</think>\n\nAnswer") == ("hmm", "Answer")
     assert split_reasoning("Answer") == (None, "Answer")
     assert split_reasoning("<think>unfinished") == (None, "<think>unfinished")
+
+
+# ---- a forced tool_choice: the prompt pre-fills the call's opening --------------------------
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+USER = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def test_forced_tool_choice_prefills_the_call(template):
+    base = render_chat(template, USER, tools=[WEATHER])
+    for choice in (None, "none", "auto"):
+        assert render_chat(template, USER, tools=[WEATHER], tool_choice=choice) == base
+    assert render_chat(template, USER, tools=[WEATHER], tool_choice="required") == \
+        base + "<tool_call>"
+    named = render_chat(template, USER, tools=[WEATHER], tool_choice=NAMED)
+    assert named == base + '<tool_call>{"name": "get_weather", "arguments":'
+    # exactly how the template writes an assistant call (which has a space after the colon)
+    call = render_chat(template, USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}], tools=[WEATHER])
+    assert base + forced_tool_prefix(NAMED) + ' {"city": "Oslo"}}</tool_call>' in call
+    # ... and tokenized as the template's call is: the prefix ends at a token boundary (the
+    # space goes with the model's ` {"`)
+    tok = load_tokenizer()
+    whole = tok.encode(forced_tool_prefix(NAMED) + ' {"city": "Oslo"}}').ids
+    prefix = tok.encode(forced_tool_prefix(NAMED)).ids
+    assert whole[:len(prefix)] == prefix
+    odd = {"type": "function", "function": {"name": 'we"ird'}}  # the name is a JSON string
+    tools = [{"type": "function", "function": {"name": 'we"ird'}}]
+    assert render_chat(template, USER, tools=tools, tool_choice=odd).endswith(
+        '<tool_call>{"name": "we\\"ird", "arguments":')
+    # thinking off: the template's closed empty block, then the call
+    off = render_chat(template, USER, tools=[WEATHER], tool_choice="required",
+                      enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>")
+    # no generation prompt, nothing to pre-fill
+    assert render_chat(template, USER, tools=[WEATHER], add_generation_prompt=False,
+                       tool_choice="required") == render_chat(
+        template, USER, tools=[WEATHER], add_generation_prompt=False)
+
+
+def test_forced_tool_choice_closes_a_think_block_the_prompt_opens(template):
+    opened = template.replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
+                              "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    "
+                              "{%- if enable_thinking")
+    base = render_chat(opened, USER, tools=[WEATHER])
+    assert base.endswith("<|im_start|>assistant\n<think>\n")
+    assert render_chat(opened, USER, tools=[WEATHER], tool_choice="required") == \
+        base + "</think>\n\n<tool_call>"
+    # a <think> in the conversation is not the generation prompt's
+    user = [{"role": "user", "content": "What does <think> mean?"}]
+    assert render_chat(template, user, tools=[WEATHER], tool_choice="required") == \
+        render_chat(template, user, tools=[WEATHER]) + "<tool_call>"
+
+
+@pytest.mark.parametrize("choice, tools, match", [
+    ("required", None, "no tools"),
+    ({"type": "function", "function": {"name": "nope"}}, [WEATHER], "not in tools"),
+    ({"type": "function"}, [WEATHER], "tool_choice must be"),
+    ("sometimes", [WEATHER], "tool_choice must be"),
+])
+def test_bad_tool_choice(template, choice, tools, match):
+    with pytest.raises(ValueError, match=match):
+        render_chat(template, USER, tools=tools, tool_choice=choice)
+
+
+@pytest.mark.parametrize("text, args, closed", [
+    (' {"city": "Oslo"}}</tool_call>', '{"city": "Oslo"}', True),
+    (' {"city": "Oslo"}}', '{"city": "Oslo"}', False),  # stopped at <|im_end|>
+    (' {"city": "Os', '{"city": "Os', False),  # max_tokens
+    (' {city: Oslo}}</tool_call>', "{city: Oslo}", True),  # not JSON: as written
+    (' {"a": [1, {"b": "}]\\"x"}]} }, "more": 1}</tool_call>junk', '{"a": [1, {"b": "}]\\"x"}]}',
+     True),
+    (' "a string"}</tool_call>', '"a string"', True),
+    (" 42 }</tool_call>", "42", True),
+    (" {\"x\": 1</tool_call>", '{"x": 1', True),  # closed without closing the value
+    (" {\"x\": 1</tool_", '{"x": 1</tool_', False),  # a tag cut off is text
+    ("  \n", "", False),
+])
+def test_forced_arguments_whole_and_streamed(text, args, closed):
+    """The arguments after a named call's prefix; streamed, every cut gives only text that
+    stays, and the pieces joined are the whole."""
+    whole = ForcedArguments()
+    whole.feed(text)
+    assert (whole.arguments(final=True), whole.closed) == (args, closed)
+    for step in range(1, len(text) + 1):
+        a, sent = ForcedArguments(), ""
+        for i in range(0, len(text), step):
+            a.feed(text[i:i + step])
+            now = a.arguments(final=False)
+            assert now.startswith(sent), (step, now, sent)
+            sent = now
+        assert a.arguments(final=True) == args and a.closed == closed, step

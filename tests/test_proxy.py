@@ -205,11 +205,54 @@ def test_openai_nulls_and_developer_role(serving, client):
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
-def test_named_tool_choice_is_accepted(client):
-    r = client.chat.completions.create(
-        model="volundr", messages=MESSAGES, max_tokens=2, tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+def test_named_tool_choice_is_enforced(client):
+    """A prefill: the call's opening ends the prompt, so the reply is always that call (the
+    tiny model's arguments are noise, and may be invalid JSON)."""
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=6, temperature=0.0, tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    auto = client.chat.completions.create(**{**kw, "tool_choice": "auto"})
+    [call] = whole.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert whole.choices[0].message.content is None
+    assert whole.choices[0].finish_reason in ("tool_calls", "length")
+    # the prefix is prompt, not completion
+    assert whole.usage.completion_tokens == 6
+    assert whole.usage.prompt_tokens > auto.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == 6
+    # the SDK's own stream helper assembles the same call (its get_final_completion raises
+    # on finish_reason "length", so the snapshot)
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.current_completion_snapshot
+    [streamed] = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (
+        "get_weather", call.function.arguments)
+
+
+def test_required_tool_choice(client):
+    for stream in (False, True):
+        r = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=6,
+                                           tools=TOOLS, tool_choice="required", stream=stream)
+        if stream:
+            r = list(r)
+            assert r[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        else:
+            assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+            # a call, or (the tiny model writes no valid one) the text after the prefix
+            assert r.choices[0].message.tool_calls or \
+                r.choices[0].message.content.startswith("<tool_call>")
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/chat/completions", 405),

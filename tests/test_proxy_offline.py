@@ -1,6 +1,6 @@
 """The proxy without a server: 503 when Triton is unreachable, and how tool calls and reasoning
 (`<think>...</think>`) in generated text become OpenAI `tool_calls` and `reasoning_content`
-(streamed and not)."""
+(streamed and not), forced tool calls (tool_choice "required" or named: a prefill) included."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_requests_checked_before_triton():
            ({"temperature": 3.0}, "temperature"),
            ({"presence_penalty": 0.5}, "presence_penalty"),
            ({"frequency_penalty": -1}, "frequency_penalty"),
-           ({"logit_bias": {"42": 5}}, "logit_bias")]
+           ({"logit_bias": {"42": 5}}, "logit_bias"),
+           ({"tool_choice": "required"}, "needs tools")]
 
     async def go():
         transport = httpx.ASGITransport(app=app)
@@ -310,3 +311,100 @@ def test_proxy_config_reaches_the_chat_endpoint(monkeypatch, split):
     monkeypatch.setattr("uvicorn.run", lambda *a, **kw: None)
     proxy.main([] if split else ["--no-reasoning-split"])
     assert seen[0].reasoning_split is split and seen[0].reasoning_opened is False
+
+
+# ---- a forced tool_choice: the text continues the pre-filled call ---------------------------
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def forced(choice, text: str, step: int, reason: str = "stop", **kw):
+    """(message, finish_reason) of the whole text, and what its stream says: (content, tool
+    calls reassembled as OpenAI clients do, finish_reason, chunks)."""
+    req = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}], tools=TOOLS,
+                      tool_choice=choice, stream=True, stream_options={"include_usage": True})
+    out = ChatRender(req, "volundr", **kw).full(deltas(text, 4, reason))["choices"][0]
+    r, ds = ChatRender(req, "volundr", **kw), deltas(text, step, reason)
+    chunks = r.start() + [c for d in ds for c in r.delta(d)] + r.finish(ds[-1])
+    calls: dict[int, dict] = {}
+    for c in chunks[:-1]:
+        for tc in c["choices"][0]["delta"].get("tool_calls", []):
+            call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            call["name"] += tc.get("function", {}).get("name", "")
+            call["arguments"] += tc.get("function", {}).get("arguments", "")
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ds)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    return out["message"], out["finish_reason"], (
+        content, [calls[i] for i in sorted(calls)], chunks[-2]["choices"][0]["finish_reason"],
+        chunks)
+
+
+@pytest.mark.parametrize("text, reason, args, want_reason", [
+    (' {"city": "Oslo"}}</tool_call>', "stop", '{"city": "Oslo"}', "tool_calls"),
+    (' {"city": "Oslo"}}', "stop", '{"city": "Oslo"}', "tool_calls"),  # ended at <|im_end|>
+    (' {"city": "Oslo"}}</tool_call>\nmore', "length", '{"city": "Oslo"}', "tool_calls"),
+    (' {"city": "Os', "length", '{"city": "Os', "length"),  # max_tokens cut the call
+    (" {city: Oslo}}</tool_call>", "stop", "{city: Oslo}", "tool_calls"),  # not JSON: as is
+    ("<think>hm</think>", "stop", "<think>hm</think>", "tool_calls"),  # no reasoning part
+])
+def test_named_tool_choice(text, reason, args, want_reason):
+    for step in (1, 2, 3, 7, len(text)):
+        for opened in (False, True):
+            msg, why, (content, calls, s_why, chunks) = forced(NAMED, text, step, reason,
+                                                               reasoning_opened=opened)
+            assert msg["content"] is None and "reasoning_content" not in msg
+            [call] = msg["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            assert (call["function"]["name"], call["function"]["arguments"], why) == (
+                "get_weather", args, want_reason)
+            # streamed: the call's header first (OpenAI's shape), then argument fragments
+            first = chunks[1]["choices"][0]["delta"]["tool_calls"][0]
+            assert first["function"] == {"name": "get_weather", "arguments": ""}
+            assert first["index"] == 0 and first["type"] == "function" and "id" in first
+            assert (content, calls, s_why) == ("", [{"name": "get_weather",
+                                                     "arguments": args}], want_reason), step
+
+
+REQUIRED = '{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+@pytest.mark.parametrize("text, reason, content, want_reason", [
+    (REQUIRED, "stop", None, "tool_calls"),
+    ("\n" + REQUIRED + "\nDone.", "stop", "Done.", "tool_calls"),
+    ('{"name": "get_weather", "arguments": {"ci', "length", None, "length"),
+    ("{oops}</tool_call>", "stop", None, "stop"),
+])
+def test_required_tool_choice(text, reason, content, want_reason):
+    for step in (1, 3, len(text)):
+        msg, why, (s_content, calls, s_why, _) = forced("required", text, step, reason)
+        assert why == s_why == want_reason
+        if want_reason == "tool_calls":
+            assert msg["content"] == content
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                    for c in msg["tool_calls"]] == [("get_weather", {"city": "Oslo"})]
+            assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+                ("get_weather", {"city": "Oslo"})]
+            assert s_content == (content or "")
+        else:  # nothing parses as a call: parse_tool_calls' text, the prefix included
+            assert msg == {"role": "assistant", "content": "<tool_call>" + text}
+            assert (s_content, calls) == ("<tool_call>" + text, [])
+
+
+def test_forced_tool_choice_reaches_preprocessing():
+    """A forced tool_choice travels in chat_template_kwargs (preprocessing pre-fills the call);
+    the request's own tool_choice only."""
+    from volundr.clients.openai_proxy import _tensors
+
+    def kwargs(**kw):
+        req = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}], **kw)
+        raw = _tensors(req).get("chat_template_kwargs")
+        return raw and json.loads(raw)
+
+    assert kwargs(tools=TOOLS, tool_choice="required") == {"tool_choice": "required"}
+    assert kwargs(tools=TOOLS, tool_choice=NAMED,
+                  chat_template_kwargs={"enable_thinking": False}) == {
+        "enable_thinking": False, "tool_choice": NAMED}
+    for choice in (None, "auto", "none"):
+        assert kwargs(tools=TOOLS, tool_choice=choice,
+                      chat_template_kwargs={"tool_choice": "required"}) is None

@@ -64,8 +64,13 @@ class TritonPythonModel:
         tools = _json(request, "tools", list)
         kwargs = _json(request, "chat_template_kwargs", dict) or {}
         kwargs.pop("add_generation_prompt", None)
+        # Not a template variable: a tool_choice that forces a call pre-fills its opening
+        # after the generation prompt (volundr.chat.forced_tool_prefix; the OpenAI proxy sends
+        # it here and reads the reply as continuing it).
+        tool_choice = kwargs.pop("tool_choice", None)
         try:
-            return render_chat(self.template, messages, tools=tools or None, **kwargs)
+            return render_chat(self.template, messages, tools=tools or None,
+                               tool_choice=tool_choice, **kwargs)
         except ValueError as e:
             raise ValueError(f"invalid request: {e}") from None
         except TypeError as e:  # e.g. chat_template_kwargs naming messages or tools
