@@ -188,7 +188,8 @@ class TensorParallelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
                  block_size: int, seed: int = 0, max_model_len: int = 2048, tp: int = 2,
-                 gpu_budget_gib: float | None = None, cuda_graphs: bool = True):
+                 gpu_budget_gib: float | None = None, cuda_graphs: bool = True,
+                 kv_dtype: torch.dtype | None = None):
         check_tp(cfg, tp)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: "
@@ -212,7 +213,7 @@ class TensorParallelRunner:
         runner_kw = dict(dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, seed=seed, max_model_len=max_model_len,
                          gpu_budget_gib=gpu_budget_gib, cuda_graphs=cuda_graphs,
-                         tp_all_reduce=all_reduce)
+                         tp_all_reduce=all_reduce, kv_dtype=kv_dtype)
         host = share_host_tables(cfg, state_dict)
         compute = {n: t for n, t in state_dict.items() if n not in host}
         timeout = datetime.timedelta(seconds=TIMEOUT_S)

@@ -15,6 +15,21 @@ from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
 
+# EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
+# format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The attention KV cache's dtype for an EngineConfig.kv_cache_dtype ("auto": model_dtype);
+    ValueError for an unknown name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not "
+                         f"{kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -32,8 +47,12 @@ class EngineConfig:
     # Decode-only steps run up to this many tokens per engine step, the next input fed on the
     # device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once.
     decode_steps: int = 1
+    # The attention KV cache (main and MTP layers; KDA and conv states keep theirs): "auto" (the
+    # model dtype), "bf16" / "bfloat16", "fp8" / "fp8_e4m3" (half the bytes of bf16 per token).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)  # a clear ValueError if unknown
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "num_kv_blocks", "tensor_parallel_size", "decode_steps"):
             if getattr(self, name) < 1:
@@ -42,6 +61,11 @@ class EngineConfig:
             raise ValueError(
                 f"the KV pool ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
                 f"hold one sequence of max_model_len={self.max_model_len} tokens")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The attention KV cache's torch dtype."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -64,12 +88,12 @@ class LLMEngine:
                 cfg, state_dict, torch.device(ecfg.device), ecfg.dtype, ecfg.max_num_seqs,
                 ecfg.num_kv_blocks, ecfg.block_size, ecfg.seed, ecfg.max_model_len,
                 tp=ecfg.tensor_parallel_size, gpu_budget_gib=ecfg.gpu_gib,
-                cuda_graphs=ecfg.cuda_graphs)
+                cuda_graphs=ecfg.cuda_graphs, kv_dtype=ecfg.kv_dtype)
         else:
             self.runner = ModelRunner(cfg, state_dict, torch.device(ecfg.device), ecfg.dtype,
                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
-                                      gpu_budget_gib=ecfg.gpu_gib)
+                                      gpu_budget_gib=ecfg.gpu_gib, kv_dtype=ecfg.kv_dtype)
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,

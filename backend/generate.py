@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--gpu-gib", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                    help="attention KV cache: auto (the model dtype), bf16, or fp8 (e4m3: about "
+                    "twice the KV tokens in a GPU budget)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: GPUs cuda:0..N-1 (or N CPU processes)")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with LLM(args.model, device=args.device, gpu_gib=args.gpu_gib,
                  max_num_seqs=max(1, len(args.prompt)), max_model_len=args.max_model_len,
-                 tensor_parallel_size=args.tp) as llm:
+                 tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype) as llm:
             results = llm.generate(args.prompt, params)
     except (ValueError, FileNotFoundError, WorkerError) as e:
         print(f"error: {e}", file=sys.stderr)

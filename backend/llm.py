@@ -10,16 +10,17 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from volundr.engine import EngineConfig, LLMEngine, RequestOutput
+from volundr.engine import EngineConfig, LLMEngine, RequestOutput, kv_cache_torch_dtype
 from volundr.sampling_params import SamplingParams
 
 
 def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num_seqs: int,
                        max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                       tp: int = 1) -> int:
+                       tp: int = 1, kv_dtype: torch.dtype = torch.bfloat16) -> int:
     """KV pool size: on CUDA what the memory plan leaves for KV under the budget (per GPU:
-    with tensor parallelism the plan of one rank's share, `gpu_gib` on each of the tp GPUs);
-    on the CPU room for every sequence at full length."""
+    with tensor parallelism the plan of one rank's share, `gpu_gib` on each of the tp GPUs),
+    at kv_dtype's width (fp8: twice the tokens of bf16); on the CPU room for every sequence at
+    full length."""
     per_seq = (max_model_len + block_size - 1) // block_size
     if device.type != "cuda":
         return max_num_seqs * per_seq
@@ -31,7 +32,7 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
     from volundr.model.parallel import rank_config
 
     plan = plan_memory(rank_config(cfg, tp), gpu_gib, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype)
     if not plan.fits:
         raise ValueError(f"the model does not fit a {gpu_gib:.1f} GiB GPU budget:\n"
                          f"{plan.describe()}")
@@ -49,18 +50,22 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  block_size: int = 16, gpu_gib: float | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
-                 tensor_parallel_size: int = 1, decode_steps: int = 1):
+                 tensor_parallel_size: int = 1, decode_steps: int = 1,
+                 kv_cache_dtype: str = "auto"):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
         `if __name__ == "__main__":` (the workers are spawned).
         decode_steps K > 1: decode-only steps produce up to K tokens per engine step
-        (EngineConfig.decode_steps)."""
+        (EngineConfig.decode_steps).
+        kv_cache_dtype: "auto" (the model dtype), "bf16" or "fp8" (e4m3: about twice the KV
+        tokens in a GPU budget; EngineConfig.kv_cache_dtype)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
-        self.model_dir = resolve_model_dir(model)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # before any loading
+        self.model_dir = resolve_model_dir(model)
         cfg, state_dict = load_checkpoint(self.model_dir, device="cpu")
         self.config = cfg
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
@@ -70,14 +75,14 @@ class LLM:
         if num_kv_blocks is None:
             num_kv_blocks = _default_kv_blocks(cfg, dev, gpu_gib, max_num_seqs,
                                                max_num_batched_tokens, self.max_model_len,
-                                               block_size, tensor_parallel_size)
+                                               block_size, tensor_parallel_size, kv_dtype)
             self.max_model_len = min(self.max_model_len, num_kv_blocks * block_size)
         ecfg = EngineConfig(device=str(dev), dtype=dtype, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=block_size,
                             num_kv_blocks=num_kv_blocks, seed=seed,
                             tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib,
-                            decode_steps=decode_steps)
+                            decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
         del state_dict
 

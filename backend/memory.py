@@ -4,12 +4,15 @@ The model runner sizes its paged KV pool from `plan_memory(...).kv_gpu_tokens`; 
 volundr.converter inspect --gpu-gib G` prints the same plan. The layout follows VOLUNDR.md:
 compute and MTP weights on the GPU at their stored precision, token embedding and Engram tables in
 host memory, a fixed per-sequence recurrent state (KDA state + conv tails, Engram conv tails), and
-attention KV per token.
+attention KV per token (at the KV cache's own width: 1 byte per element for an fp8 cache, so a
+budget holds about twice the tokens of a bf16 one).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+import torch
 
 from volundr.config import VolundrConfig
 from volundr.model.weights import HOST_PARTS, expected_tensors
@@ -35,6 +38,7 @@ class MemoryPlan:
     kv_gpu_tokens: int
     fits: bool
     weight_bits: float  # average stored bits per GPU weight, group scales included
+    kv_dtype: str = "bfloat16"  # the attention KV cache's element type (torch's name)
 
     @property
     def state_bytes(self) -> int:
@@ -62,8 +66,8 @@ class MemoryPlan:
             f"recurrent state:            {gib(self.state_bytes_per_seq)} per sequence x "
             f"{self.max_num_seqs} = {gib(self.state_bytes)}",
             f"activation/workspace:       {gib(self.activation_reserve_bytes)}",
-            f"attention KV (incl. MTP):   {self.kv_bytes_per_token / 1024:.1f} KiB per token -> "
-            f"{self.kv_gpu_tokens:,} tokens ({gib(self.kv_gpu_bytes)})",
+            f"attention KV (incl. MTP):   {self.kv_bytes_per_token / 1024:.1f} KiB per token "
+            f"({self.kv_dtype}) -> {self.kv_gpu_tokens:,} tokens ({gib(self.kv_gpu_bytes)})",
             f"host memory (embed+Engram): {gib(self.host_bytes)}",
         ]
         if self.fits:
@@ -128,9 +132,11 @@ def activation_reserve(cfg: VolundrConfig, max_num_batched_tokens: int) -> int:
 
 
 def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1,
-                max_num_batched_tokens: int = 512, dtype_bytes: int = 2) -> MemoryPlan:
+                max_num_batched_tokens: int = 512, dtype_bytes: int = 2,
+                kv_dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
     """The memory plan of `cfg` on a GPU of `gpu_gib` GiB (None: no budget, KV for every
-    sequence's full context). `dtype_bytes` is the activation / KV / unquantized weight width."""
+    sequence's full context). `dtype_bytes` is the activation / unquantized weight width;
+    `kv_dtype` the attention KV cache's (torch.float8_e4m3fn: 1 byte per element)."""
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
     if gpu_gib is not None and gpu_gib <= 0:
@@ -138,7 +144,7 @@ def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1
     w, n = weight_bytes(cfg, GPU_PARTS, dtype_bytes)
     host, _ = weight_bytes(cfg.replace(quantization=None), HOST_PARTS, 2)
     state = state_bytes_per_seq(cfg, dtype_bytes)
-    kv = kv_bytes_per_token(cfg, dtype_bytes)
+    kv = kv_bytes_per_token(cfg, kv_dtype.itemsize)
     reserve = activation_reserve(cfg, max_num_batched_tokens)
     if gpu_gib is None:
         budget, tokens, fits = None, max_num_seqs * cfg.max_position_embeddings, True
@@ -151,4 +157,5 @@ def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1
                       state_bytes_per_seq=state, kv_bytes_per_token=kv,
                       max_num_seqs=max_num_seqs, activation_reserve_bytes=reserve,
                       kv_gpu_tokens=int(tokens), fits=fits,
-                      weight_bits=8 * w / max(n, 1))
+                      weight_bits=8 * w / max(n, 1),
+                      kv_dtype=str(kv_dtype).removeprefix("torch."))

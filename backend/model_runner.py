@@ -1,7 +1,8 @@
 """Runs the model on one device: owns the weights, the caches, and turns a schedule into tensors.
 
 Caches, allocated once:
-  attention KV   per attention layer (and the MTP layer): [num_blocks, block_size, Hkv, D]
+  attention KV   per attention layer (and the MTP layer): [num_blocks, block_size, Hkv, D] in
+                 kv_dtype (the model dtype, bf16 or fp8 e4m3: EngineConfig.kv_cache_dtype)
   KDA state      per KDA layer: [slots, H, K, V] fp32; conv tails [slots, 3 * H * K, conv - 1]
   Engram conv    per Engram layer: [slots, hidden, conv - 1]
 """
@@ -25,13 +26,16 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
                  block_size: int, seed: int = 0, max_model_len: int = 2048,
                  cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1,
-                 gpu_budget_gib: float | None = None, tp_all_reduce: str = "nccl"):
+                 gpu_budget_gib: float | None = None, tp_all_reduce: str = "nccl",
+                 kv_dtype: torch.dtype | None = None):
         """With tp_size > 1 (volundr.distributed) `state_dict` is this rank's shard
         (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples;
         tp_all_reduce "symm": decode-sized all-reduces through symmetric memory
         (parallel.enable_one_shot) on CUDA.
-        gpu_budget_gib: a hard cap on what this process's CUDA allocator may hold."""
+        gpu_budget_gib: a hard cap on what this process's CUDA allocator may hold.
+        kv_dtype: the attention KV caches' dtype (None: `dtype`)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.kv_dtype = kv_dtype or dtype
         budget_bytes = None
         if gpu_budget_gib is not None and device.type == "cuda":
             # The plan sized weights + caches + workspace to the budget; the allocator cap makes
@@ -88,8 +92,8 @@ class ModelRunner:
                     n, cfg.hidden_size, cfg.engram.conv_size - 1, device=dev, dtype=self.dtype)
                 self.states.append(layer.engram.conv_state)
             if hasattr(layer, "self_attn"):
-                layer.self_attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
-                layer.self_attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
+                layer.self_attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
+                layer.self_attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
             else:
                 layer.kda.state = torch.zeros(n, kda_heads, k.head_dim, k.head_dim,
                                               device=dev, dtype=torch.float32)
@@ -98,8 +102,8 @@ class ModelRunner:
                 self.states += [layer.kda.state, layer.kda.conv_state]
         if self.model.mtp is not None:
             attn = self.model.mtp.layer.self_attn
-            attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
-            attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.dtype)
+            attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
+            attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
 
     # ---- schedule -> tensors ------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> ForwardBatch:

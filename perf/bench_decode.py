@@ -36,6 +36,7 @@ process per GPU, NCCL, every rank replaying its decode graphs; a budget G applie
 no graph_ms: rank 0's graph alone would wait for the other ranks' collectives), e.g.
 --variants mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric
 memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs).
++fp8kv: the attention KV cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv.
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
@@ -326,7 +327,7 @@ def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
 
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
           device: str, gpu_gib: float | None = None, decode_steps: int = 1,
-          max_model_len: int = 4096, tp: int = 1) -> LLMEngine:
+          max_model_len: int = 4096, tp: int = 1, kv_cache_dtype: str = "auto") -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
     (a hard cap on the allocator from the engine's construction on). tp > 1: the weights are
@@ -348,7 +349,8 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=2048, max_model_len=max_model_len, block_size=16,
                         num_kv_blocks=blocks, cuda_graphs=graphs, gpu_gib=gpu_gib,
-                        decode_steps=decode_steps, tensor_parallel_size=tp)
+                        decode_steps=decode_steps, tensor_parallel_size=tp,
+                        kv_cache_dtype=kv_cache_dtype)
     return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
 
 
@@ -408,6 +410,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     spec_bits, _, steps = spec_main.partition("@")
     variant, _, gib = spec_bits.partition(":")
     tp, all_reduce = 1, os.environ.get("VOLUNDR_TP_ALLREDUCE")  # +symm sets it for one variant
+    kv_cache_dtype = "auto"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -460,6 +463,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             tp = int(sfx[2:])
         elif sfx == "symm":  # TP: decode all-reduces through symmetric memory (one-shot)
             os.environ["VOLUNDR_TP_ALLREDUCE"] = "symm"
+        elif sfx == "fp8kv":  # the attention KV cache in fp8 e4m3
+            kv_cache_dtype = "fp8"
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, stages=int(sfx[1:]))
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
@@ -468,9 +473,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
                              "dig, nodig, i8late, i8top, "
                              "early, noearly, "
-                             "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm)")
+                             "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
+                             "fp8kv)")
     try:
-        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp)
+        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp, kv_cache_dtype)
     finally:
         if all_reduce is None:
             os.environ.pop("VOLUNDR_TP_ALLREDUCE", None)
@@ -483,11 +489,12 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER) = defaults
 
 
-def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list[dict]:
+def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
+             kv_cache_dtype="auto") -> list[dict]:
     out = []
     t = time.perf_counter()
     engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
-                   int(steps or 1), args.max_model_len, tp)
+                   int(steps or 1), args.max_model_len, tp, kv_cache_dtype)
     wbytes = device_weight_bytes(engine)
     graphs = engine.runner.graphs
     built = {"build_s": time.perf_counter() - t,
@@ -516,6 +523,7 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1) -> list
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         entry = {"variant": spec, "cuda_graphs": use_graphs, "gpu_gib": gib or None, "tp": tp,
+                 "kv_cache_dtype": kv_cache_dtype,
                  **built, "gpu_weight_GB": wbytes / 1e9,
                  "byte_limit_tok_per_s": hbm_copy_GBps * 1e9 / wbytes}
         decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)

@@ -16,19 +16,21 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
     out = tmp_path / "decode.json"
     script = Path(__file__).parents[1] / "perf" / "bench_decode.py"
     r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu",
-                        "--out", str(out), "--variants", f"{MIXED},bf16,bf16+tp2,bf16+nope",
-                        "--tokens", "8",
+                        "--out", str(out), "--variants",
+                        f"{MIXED},bf16,bf16+tp2,bf16+fp8kv,bf16+nope", "--tokens", "8",
                         "--copy-gib", "0.05", "--prefill-lens", "40"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert [run["variant"] for run in res["runs"]] == [MIXED, "bf16", "bf16+tp2", "bf16+nope"]
+    assert [run["variant"] for run in res["runs"]] == [MIXED, "bf16", "bf16+tp2", "bf16+fp8kv",
+                                                       "bf16+nope"]
     assert "unknown suffix +nope" in res["runs"].pop()["error"]  # recorded, the rest kept
     for run in res["runs"]:
         assert run["single"]["decode_tokens"] == 7 and run["batch16"]["decode_tokens"] == 16 * 3
         assert run["gpu_weight_GB"] > 0
         assert run["prefill"][0]["prompt_len"] == 40 and run["prefill"][0]["ttft_s"] > 0
-    mixed, bf16, tp2 = res["runs"]
+    mixed, bf16, tp2, fp8kv = res["runs"]
+    assert (bf16["kv_cache_dtype"], fp8kv["kv_cache_dtype"]) == ("auto", "fp8")
     assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
     # two ranks (gloo here): rank 0 holds about half of the layers' weights
     assert tp2["tp"] == 2 and tp2["gpu_weight_GB"] < 0.6 * bf16["gpu_weight_GB"]

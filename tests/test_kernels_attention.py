@@ -4,6 +4,9 @@ CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (this file run as 
 the variable never reaches other test modules. The interpreter computes bf16 tl.dot on the raw
 uint16 bits (Triton 3.6), so CPU attention checks use fp16/fp32, which run the same kernel code;
 bf16 is checked on CUDA at Volundr-32B shapes (40 q heads, 2 KV heads, head_dim 128).
+fp8 (e4m3) caches: on the CPU with K/V on the fp8 grid (the interpreter rounds wrongly across
+a binade, cache.fp8_round), so every kernel must reproduce the cache's values exactly; on CUDA
+also K/V off the grid, rounded by store_kv and by prefill's read of the new tokens.
 """
 
 from __future__ import annotations
@@ -15,19 +18,22 @@ import sys
 import pytest
 import torch
 
+from volundr.kernels.attention.cache import FP8
 from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
 
 CUDA = torch.cuda.is_available()
 
 
-def make_paged(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, gen):
-    """Random ragged batch over a paged cache with shuffled (non-contiguous) block tables."""
+def make_paged(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, gen, kv_dtype=None):
+    """Random ragged batch over a paged cache (of kv_dtype, None: dtype) with shuffled
+    (non-contiguous) block tables."""
     N = len(q_lens)
     nblk = [(c + BS - 1) // BS for c in ctx_lens]
     max_blocks = max(nblk) + 1
     num_blocks = sum(nblk) + 7
-    kc = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(dtype).to(device)
-    vc = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(dtype).to(device)
+    kv_dtype = kv_dtype or dtype
+    kc = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(kv_dtype).to(device)
+    vc = torch.randn(num_blocks, BS, KVH, D, generator=gen).to(kv_dtype).to(device)
     perm = torch.randperm(num_blocks, generator=gen)
     bt = torch.full((N, max_blocks), -1, dtype=torch.int32)  # unused entries: never read
     i = 0
@@ -49,36 +55,39 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
-def new_kv(kc, vc, bt, cu, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new tokens' K/V [T, KVH, D] read back from the cache (what store_kv stored), as
-    column slices of one wider buffer: strided rows, like the engine's split of the fused QKV."""
+def new_kv(kc, vc, bt, cu, ctx, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' K/V [T, KVH, D] read back from the cache (what store_kv stored), in
+    dtype (None: the cache's), as column slices of one wider buffer: strided rows, like the
+    engine's split of the fused QKV."""
     BS, KVH, D = kc.shape[1:]
     T = int(cu[-1])
-    kv = torch.zeros(T, 3 * KVH * D, dtype=kc.dtype, device=kc.device)
+    kv = torch.zeros(T, 3 * KVH * D, dtype=dtype or kc.dtype, device=kc.device)
     k = kv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
     v = kv[:, 2 * KVH * D:].view(T, KVH, D)
     for n in range(len(cu) - 1):
         s, e, c = int(cu[n]), int(cu[n + 1]), int(ctx[n])
         pos = torch.arange(c - (e - s), c, device=kc.device)
         page, row = bt[n, pos // BS].long(), pos % BS
-        k[s:e], v[s:e] = kc[page, row], vc[page, row]
+        k[s:e], v[s:e] = kc[page, row].to(k.dtype), vc[page, row].to(v.dtype)
     return k, v
 
 
 def check_attention(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, seed, **kw) -> None:
     """kw: decode=True (the decode kernel), max_context_len, with_new (pass the new tokens'
-    K/V as k_new / v_new), any other: paged_prefill_attention's (no kw: the engine entry)."""
+    K/V as k_new / v_new), kv_dtype (the cache's; default dtype), any other:
+    paged_prefill_attention's (no kw: the engine entry)."""
     from volundr.kernels.attention.decode import paged_decode_attention
     from volundr.kernels.attention.engine import paged_attention
     from volundr.kernels.attention.prefill import paged_prefill_attention
 
     gen = torch.Generator().manual_seed(seed)
-    q, kc, vc, bt, cu, ctx = make_paged(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, gen)
+    q, kc, vc, bt, cu, ctx = make_paged(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, gen,
+                                        kw.pop("kv_dtype", None))
     scale = D ** -0.5
     ref = naive_paged_attention(q, kc, vc, bt, cu, ctx, scale)
     # max_context_len may exceed every context (a CUDA graph captured at max_model_len)
     mq, mc = max(q_lens), kw.pop("max_context_len", max(ctx_lens))
-    kn, vn = new_kv(kc, vc, bt, cu, ctx) if kw.pop("with_new", False) else (None, None)
+    kn, vn = new_kv(kc, vc, bt, cu, ctx, dtype) if kw.pop("with_new", False) else (None, None)
     if kw.pop("decode", False):
         out = paged_decode_attention(q, kc, vc, bt, cu, ctx, scale, mc, **kw)
     elif kw:
@@ -89,15 +98,24 @@ def check_attention(q_lens, ctx_lens, H, KVH, D, BS, dtype, device, seed, **kw) 
     assert err < TOL[dtype], f"seed={seed} q_lens={q_lens} ctx={ctx_lens} {kw}: rel err {err}"
 
 
-def check_store(T, KVH, D, BS, dtype, device, seed) -> None:
+def check_store(T, KVH, D, BS, dtype, device, seed, kv_dtype=None, on_grid=False) -> None:
+    """store_kv == naive_store_kv into a cache of kv_dtype (None: dtype); with an fp8 cache
+    some values past +-448 (saturated); on_grid: every other value on the fp8 grid."""
     from volundr.kernels.attention.engine import store_kv
 
     gen = torch.Generator().manual_seed(seed)
     nb = (T + BS - 1) // BS + 3
-    kc = torch.randn(nb, BS, KVH, D, generator=gen).to(dtype).to(device)
-    vc = torch.randn(nb, BS, KVH, D, generator=gen).to(dtype).to(device)
+    kv_dtype = kv_dtype or dtype
+    kc = torch.randn(nb, BS, KVH, D, generator=gen).to(kv_dtype).to(device)
+    vc = torch.randn(nb, BS, KVH, D, generator=gen).to(kv_dtype).to(device)
     # k, v as column slices of one fused projection: strided, like a real qkv split
-    kv = torch.randn(T, 3 * KVH * D, generator=gen).to(dtype).to(device)
+    kv = torch.randn(T, 3 * KVH * D, generator=gen) * 4
+    if kv_dtype == FP8:
+        if on_grid:
+            kv = kv.to(FP8).float()
+        kv.view(-1)[torch.randperm(kv.numel(), generator=gen)[:7]] = 1000.0
+        kv.view(-1)[torch.randperm(kv.numel(), generator=gen)[:7]] = -600.0
+    kv = kv.to(dtype).to(device)
     k = kv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
     v = kv[:, 2 * KVH * D:].view(T, KVH, D)
     slots = torch.randperm(nb * BS, generator=gen)[:T].int()
@@ -106,7 +124,13 @@ def check_store(T, KVH, D, BS, dtype, device, seed) -> None:
     kc2, vc2 = kc.clone(), vc.clone()
     store_kv(k, v, kc, vc, slots)
     naive_store_kv(k, v, kc2, vc2, slots)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"seed={seed}"
+    # (fp8 tensors compare as their bytes)
+    same = [torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a,
+                        b.view(torch.uint8) if b.dtype == FP8 else b)
+            for a, b in ((kc, kc2), (vc, vc2))]
+    assert all(same), f"seed={seed} {kv_dtype}"
+    if kv_dtype == FP8:
+        assert kc.float().abs().max() == 448.0 and torch.isfinite(kc.float()).all()
 
 
 # Ragged prefixes, partial last blocks, chunked prefill (q_len > 1 over a
@@ -187,11 +211,29 @@ def run_cpu(group: str) -> None:
             check_attention([1, 1], [20, 7], 4, 2, 16, 4, dtype, "cpu", _seed())  # via engine
         elif group == "store":
             check_store(23, 2, 16, 4, dtype, "cpu", _seed())
+            check_store(23, 2, 16, 4, dtype, "cpu", _seed(), kv_dtype=FP8, on_grid=True)
+        elif group == "fp8":  # fp8 caches: decode, the paged / two-phase prefill, the engine
+            for cl, ql in DECODE_CASES:
+                for ns, variant in ((None, {}), (3, {}), (3, DECODE_VARIANTS[1]),
+                                    (1, dict(all_heads=True))):
+                    check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
+                                    num_splits=ns, block_n=8, min_split=8, kv_dtype=FP8,
+                                    **variant)
+            ql, cl, (H, KVH, D, BS) = PREFILL_CASES[1]
+            check_attention(ql, cl, H, KVH, D, BS, dtype, "cpu", _seed(), block_m=16,
+                            block_n=8, kv_dtype=FP8)
+            ql, cl, (H, KVH, D, BS) = PHASED_CASES[2]
+            for impl, cfg in PHASED_CFGS:
+                check_attention(ql, cl, H, KVH, D, BS, dtype, "cpu", _seed(), impl=impl,
+                                with_new=True, kv_dtype=FP8, **cfg)
+            check_attention([1, 1], [20, 7], 4, 2, 16, 4, dtype, "cpu", _seed(),
+                            kv_dtype=FP8)  # via engine
     if group == "store":
         check_store(9, 2, 32, 8, torch.bfloat16, "cpu", _seed())
+        check_store(9, 2, 32, 8, torch.bfloat16, "cpu", _seed(), kv_dtype=FP8, on_grid=True)
 
 
-@pytest.mark.parametrize("group", ["store", "prefill", "phased", "decode"])
+@pytest.mark.parametrize("group", ["store", "prefill", "phased", "decode", "fp8"])
 def test_interpreter(group):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
@@ -275,8 +317,46 @@ def test_cuda_decode_via_engine():
 
 @gpu
 @pytest.mark.parametrize("T", [1, 16, 777])
-def test_cuda_store(T):
-    check_store(T, 2, 128, 16, torch.bfloat16, "cuda", _seed())
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+def test_cuda_store(T, kv_dtype):
+    """fp8: values off the grid, rounded by sm_90's conversion as torch rounds them."""
+    check_store(T, 2, 128, 16, torch.bfloat16, "cuda", _seed(), kv_dtype=kv_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("ctx_lens", [[17, 4096, 33000, 250], [70000]])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_cuda_decode_fp8(ctx_lens, num_splits):
+    check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
+                    _seed(), decode=True, num_splits=num_splits, kv_dtype=FP8)
+
+
+@gpu
+@pytest.mark.parametrize("impl", [None, "desc", "phased", "paged"])
+def test_cuda_prefill_fp8(impl):
+    """The new tokens' K/V in bf16 off the fp8 grid: store_kv rounds them into the cache, and
+    the desc kernel, which reads them from k_new / v_new, must round them the same way (the
+    reference reads the cache)."""
+    from volundr.kernels.attention.engine import paged_attention, store_kv
+    from volundr.kernels.attention.prefill import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(_seed())
+    q_lens, ctx_lens = [800, 33], [3000, 500]
+    q, kc, vc, bt, cu, ctx = make_paged(q_lens, ctx_lens, 40, 2, 128, 16, torch.bfloat16,
+                                        "cuda", gen, FP8)
+    kn = (torch.randn(sum(q_lens), 2, 128, generator=gen) * 3).to(torch.bfloat16).cuda()
+    vn = (torch.randn(sum(q_lens), 2, 128, generator=gen) * 3).to(torch.bfloat16).cuda()
+    slots = torch.cat([bt[n, p // 16].long() * 16 + p % 16 for n, p in enumerate(
+        torch.arange(c - ql, c, device="cuda") for ql, c in zip(q_lens, ctx_lens))])
+    store_kv(kn, vn, kc, vc, slots)
+    assert not torch.equal(kc.view(-1, 2, 128)[slots].float(), kn.float())  # (rounded)
+    ref = naive_paged_attention(q, kc, vc, bt, cu, ctx, 128 ** -0.5)
+    if impl is None:
+        out = paged_attention(q, kc, vc, bt, cu, ctx, 128 ** -0.5, 800, 3000, kn, vn)
+    else:
+        out = paged_prefill_attention(q, kc, vc, bt, cu, ctx, 128 ** -0.5, 800, kn, vn,
+                                      impl=impl)
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
 
 
 if __name__ == "__main__":

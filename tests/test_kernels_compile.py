@@ -114,6 +114,7 @@ def compile_all() -> list[str]:
     compiled = _install_fake_driver()
     import volundr.kernels.attention.decode as decode
     import volundr.kernels.quant.gemv as gemv
+    from volundr.kernels.attention import cache as attn_cache
     from volundr.kernels.attention import engine as attn
     from volundr.kernels.attention import prefill
     from volundr.kernels.engram.lookup import embedding_lookup, engram_lookup
@@ -143,11 +144,13 @@ def compile_all() -> list[str]:
                   torch.full((8,), 2, dtype=torch.int32), z8 + 1,
                   torch.empty(4, 8 * 256, dtype=bf))
 
-    # paged attention: store, decode (1 token each), prefill (varlen)
-    kc = torch.zeros(64, 16, 2, 128, dtype=bf)
-    vc = torch.zeros_like(kc)
+    # paged attention: store, decode (1 token each), prefill (varlen); bf16 caches, then fp8
+    # (the engine's paths: store, default decode, prefill desc / phased / paged)
     # (on CPU tensors the wrapper assumes 4 SMs: one sequence is what makes the decode split)
-    for lens in ([1], [5, 40]):
+    for lens, kdt in [([1], bf), ([5, 40], bf), ([1], attn_cache.FP8),
+                      ([5, 40], attn_cache.FP8)]:
+        kc = torch.zeros(64, 16, 2, 128, dtype=kdt)
+        vc = torch.zeros_like(kc)
         n, t = len(lens), sum(lens)
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
         q = torch.randn(t, 40, 128, dtype=bf)
@@ -157,6 +160,13 @@ def compile_all() -> list[str]:
         ctx = torch.tensor([60] * n, dtype=torch.int32)
         # a long max context: the decode splits over the KV length (split + merge kernels)
         attn.paged_attention(q, kc, vc, tables, cu, ctx, 0.088, max(lens), 8192)
+        if kdt != bf:
+            if max(lens) > 1:
+                kn, vn = kv, kv.clone()
+                for impl in ("desc", "phased", "paged"):
+                    prefill.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.088,
+                                                    max(lens), kn, vn, impl=impl)
+            continue
         if max(lens) == 1:  # the split kernel's table entries in order / only a tile ahead;
             for variant in (dict(early_idx=False, num_stages=5),
                             dict(early_idx=False, bt_ahead=True),

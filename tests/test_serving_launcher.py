@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import _processes_with, free_ports
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
@@ -121,6 +122,37 @@ def test_flags_override_the_profile(tiny_dir):
     assert (o.profile.decode_steps, o.profile.max_num_seqs) == (4, 3)
     assert build_options(parse_args(["--model", str(tiny_dir)])).profile.decode_steps == \
         PROFILES["cpu"].decode_steps
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine(tiny_dir, tmp_path):
+    """--kv-cache-dtype -> profile -> volundr_llm's filled config.pbtxt -> the LLM that its
+    initialize() builds (the JSON model config Triton hands it) -> EngineConfig and caches."""
+    from google.protobuf import json_format
+
+    from volundr.llm import LLM
+    from volundr.serve.launcher import build_options, parse_args
+    from volundr.serve.stack import llm_parameters
+    from volundr.serve.triton_llm import llm_kwargs
+
+    def engine_kwargs(*flags: str) -> dict:
+        o = build_options(parse_args(["--model", str(tiny_dir), *flags]))
+        out = write_runtime_repository(tmp_path / f"repo{len(flags)}",
+                                       {"volundr_llm": llm_parameters(o)})
+        cfg = json_format.MessageToDict(parse(out / "volundr_llm" / "config.pbtxt"),
+                                        preserving_proto_field_name=True)
+        return llm_kwargs(model_parameters(cfg))
+
+    assert parse(source_repository() / "volundr_llm" / "config.pbtxt").parameters[
+        "kv_cache_dtype"].string_value == "auto"
+    assert engine_kwargs()["kv_cache_dtype"] == "auto"
+    kw = engine_kwargs("--kv-cache-dtype", "fp8")
+    assert kw["kv_cache_dtype"] == "fp8" and kw["device"] == "cpu"
+    with LLM(tiny_dir, **kw) as llm:
+        assert llm.engine.ecfg.kv_cache_dtype == "fp8"
+        attn = llm.engine.runner.model.model.layers[llm.config.attention_layers[0]].self_attn
+        assert attn.k_cache.dtype == attn.v_cache.dtype == torch.float8_e4m3fn
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-dtype", "fp16"])
 
 
 @pytest.mark.server

@@ -29,6 +29,8 @@ class Profile:
     # to 7 discarded tokens, tokens stream 8 at a time (~60 ms apart at 139 tok/s), and a
     # request arriving meanwhile waits for the step to end (admission then gets steps of 1).
     decode_steps: int = 1
+    # attention KV cache: auto (the model dtype), bf16, fp8 (EngineConfig.kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
 
 
 PROFILES: dict[str, Profile] = {

@@ -44,6 +44,20 @@ class StackOptions:
     reasoning_opened: bool = False  # proxy: the chat template opens <think> in the prompt
 
 
+def llm_parameters(o: StackOptions) -> dict[str, str]:
+    """The `parameters` of volundr_llm's config.pbtxt (read back by triton_llm.llm_kwargs)."""
+    p = o.profile
+    return {"model_dir": str(o.model_dir), "device": p.device,
+            "max_num_seqs": str(p.max_num_seqs),
+            "max_num_batched_tokens": str(p.max_num_batched_tokens),
+            "max_model_len": str(p.max_model_len),
+            "tensor_parallel_size": str(p.tensor_parallel_size),
+            "decode_steps": str(p.decode_steps),
+            "kv_cache_dtype": p.kv_cache_dtype,
+            "max_inflight": str(p.max_inflight),
+            "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -126,14 +140,7 @@ class ServingStack:
         self.triton_log = log_dir / "tritonserver.log"
         self.proxy_log = log_dir / "proxy.log"
         p = o.profile
-        llm = {"model_dir": str(o.model_dir), "device": p.device,
-               "max_num_seqs": str(p.max_num_seqs),
-               "max_num_batched_tokens": str(p.max_num_batched_tokens),
-               "max_model_len": str(p.max_model_len),
-               "tensor_parallel_size": str(p.tensor_parallel_size),
-               "decode_steps": str(p.decode_steps),
-               "max_inflight": str(p.max_inflight),
-               "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
+        llm = llm_parameters(o)
         tok = {"model_dir": str(o.model_dir)}
         repo = write_runtime_repository(
             self.run_dir / "model_repository",

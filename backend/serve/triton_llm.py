@@ -26,6 +26,20 @@ log = logging.getLogger("volundr.serve")
 PREFIX_MIN = 4  # ids of context before a chunk, enough for any decoder's look-behind
 
 
+def llm_kwargs(params: dict[str, str]) -> dict:
+    """volundr.LLM's keyword arguments (all but the checkpoint) from volundr_llm's config.pbtxt
+    `parameters` (filled by volundr-serve: stack.llm_parameters); empty values take defaults."""
+    gpu_gib = params.get("gpu_gib") or None
+    return dict(device=params.get("device") or None,
+                max_num_seqs=int(params.get("max_num_seqs", 8)),
+                max_num_batched_tokens=int(params.get("max_num_batched_tokens", 256)),
+                max_model_len=int(params.get("max_model_len", 0)) or None,
+                gpu_gib=float(gpu_gib) if gpu_gib else None,
+                tensor_parallel_size=int(params.get("tensor_parallel_size") or 1),
+                decode_steps=int(params.get("decode_steps") or 1),
+                kv_cache_dtype=params.get("kv_cache_dtype") or "auto")
+
+
 @dataclass(frozen=True)
 class Chunk:
     output_ids: list[int]

@@ -2,6 +2,11 @@
 
 Cache layout of one layer: k_cache, v_cache [num_blocks, block_size, KVH, D]; a flat slot is
 block * block_size + row, so slot s lives at k_cache.view(-1, KVH, D)[s].
+
+The cache is bf16 (the model's dtype) or fp8 e4m3 (`FP8`: half the bytes per token, so twice
+the tokens in a budget and half the reads of decode attention). fp8 values are the K/V
+themselves, unscaled (vLLM's default scale of 1.0), saturated to +-FP8_MAX: Volundr's K/V
+rows come out of a projection of an RMS-normed stream and stay far below 448.
 """
 
 from __future__ import annotations
@@ -10,12 +15,25 @@ import torch
 import triton
 import triton.language as tl
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn
+
+
+@triton.jit
+def fp8_round(x):
+    """x rounded to e4m3 (saturated at +-448) and back to x's dtype: the value an fp8 cache
+    holds for x. (Triton's interpreter rounds wrongly across a binade, e.g. 1.96 -> 1.0; CPU
+    tests use values on the fp8 grid.)"""
+    x8 = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
+    return x8.to(x.dtype)
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcs, stride_kch, stride_vcs, stride_vch,
-                     KVH: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+                     KVH: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token (e.g. a CUDA-graph batch slot): nothing to store
@@ -26,6 +44,9 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     d = offs % D
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:  # saturate, as sm_90's conversion (satfinite) and torch's do
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
     tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d,
              k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + d,
@@ -39,6 +60,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, KVH, D] into the caches at flat slots slot_mapping [T]; -1 skips a token.
+    A cache of dtype FP8 gets the values rounded to e4m3 (saturated at +-FP8_MAX).
 
     No host sync: safe to capture in a CUDA graph.
     """
@@ -54,4 +76,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, kc, vc, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-        KVH=KVH, D=D, BLOCK=triton.next_power_of_2(KVH * D), num_warps=4)
+        KVH=KVH, D=D, BLOCK=triton.next_power_of_2(KVH * D), FP8=k_cache.dtype == FP8,
+        num_warps=4)

@@ -106,6 +106,7 @@ def _decode_split_kernel(
                     + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + cur[:, None] * stride_vb + row[:, None] * stride_vs
                     + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: exact in bf16
         qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [G_PAD, BLOCK_N]
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -172,6 +173,7 @@ def _decode_split_heads_kernel(
                     + h_c[None, :] * stride_kh + d_c[None, :], mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs
                     + h_c[None, :] * stride_vh + d_c[None, :], mask=nmask[:, None], other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: exact in bf16
         # scores [KVH G_PAD, BLOCK_N]; acc [KVH G_PAD, KVH D]
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v,
                                       nmask[None, :], scale_log2, True)
@@ -245,8 +247,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
-    q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks];
-    cu_seqlens_q [N + 1]; context_lens [N] (including the new token, already stored).
+    q [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D] (q's dtype, or fp8 e4m3,
+    widened to q's dtype after the load); block_tables [N, max_blocks]; cu_seqlens_q [N + 1];
+    context_lens [N] (including the new token, already stored).
     The K/V address depends on a block-table load, so Triton's pipeliner spends stages on that
     indirection: without early_idx, num_stages=3 leaves one K/V buffer (no overlap) and 5 is
     best; early_idx (the split's cu, ctx and first table entries before the PDL wait, then each

@@ -11,12 +11,16 @@ import torch
 
 def naive_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k, v [T, KVH, D] to flat slots (block * block_size + row) [T]; -1 skips a token."""
+    """Write k, v [T, KVH, D] to flat slots (block * block_size + row) [T]; -1 skips a token.
+    An fp8 (e4m3fn) cache gets the values rounded, saturated at +-448."""
     nb, bs = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = x[keep]
+        if cache.dtype == torch.float8_e4m3fn:
+            x = x.float().clamp(-448.0, 448.0)
+        cache.view(nb * bs, *cache.shape[2:])[slots] = x.to(cache.dtype)
 
 
 def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -28,7 +32,7 @@ def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_tables: [N, max_blocks] int; context_lens: [N], tokens in the cache per sequence
       *including* the new ones (already stored). New token j of a sequence with q_len new
       tokens sits at position context_len - q_len + j and sees positions <= its own.
-    Returns o: [T, H, D] in q.dtype (math in fp32).
+    Returns o: [T, H, D] in q.dtype (math in fp32; an fp8 cache's values as they are).
     """
     T, H, D = q.shape
     KVH, bs = k_cache.shape[2], k_cache.shape[1]

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from volundr.kernels.attention.cache import FP8
 from volundr.kernels.attention.prefill_phased import launch_geometry, phased_prefill_attention
 
 LOG2E = 1.4426950408889634
@@ -55,7 +56,7 @@ def _attn_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kvh, offs_d, pos_m, ctx, 
         k = tl.load(k_ptrs + offs_d[None, :], mask=nmask[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs + offs_d[None, :])
-    qk = tl.dot(q, tl.trans(k)) * scale_log2                         # [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2           # [BLOCK_M, BLOCK_N]
     if MASKED:
         keep = (offs_n[None, :] <= pos_m[:, None]) & nmask[None, :]
         qk = tl.where(keep, qk, float("-inf"))
@@ -67,6 +68,7 @@ def _attn_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kvh, offs_d, pos_m, ctx, 
         v = tl.load(v_ptrs + offs_d[None, :], mask=nmask[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs + offs_d[None, :])
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, l_i, m_new
 
@@ -127,13 +129,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Causal attention of packed new tokens over cache + themselves: o [T, H, D] in q.dtype.
 
     q [T, H, D] (N sequences split by cu_seqlens_q [N + 1]); k_cache/v_cache
-    [num_blocks, block_size, KVH, D]; block_tables [N, max_blocks]; context_lens [N], cached
-    tokens per sequence including the new ones; max_q_len >= every sequence's q_len.
+    [num_blocks, block_size, KVH, D] in q's dtype or fp8 e4m3 (cache.FP8); block_tables
+    [N, max_blocks]; context_lens [N], cached tokens per sequence including the new ones;
+    max_q_len >= every sequence's q_len.
     k_new / v_new [T, KVH, D]: the new tokens' K/V as store_kv got them (optional; read by
-    impl "desc"). impl: "paged" / "phased" / "desc" (None: IMPL); cfg overrides CONFIGS[impl].
+    impl "desc", rounded to fp8 in the kernel where the cache is fp8, so every key is the
+    cache's value). impl: "paged" / "phased" / "desc" (None: IMPL); cfg overrides
+    CONFIGS[impl].
     """
-    usable = (k_new is not None and v_new is not None and k_new.dtype == k_cache.dtype
-              and v_new.dtype == v_cache.dtype)
+    usable = (k_new is not None and v_new is not None
+              and k_new.dtype == v_new.dtype == q.dtype
+              and k_cache.dtype == v_cache.dtype in (q.dtype, FP8))
     if impl is None:
         impl = "paged" if IMPL == "desc" and not usable else IMPL
     elif impl == "desc" and not usable:

@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from volundr.kernels.attention.cache import FP8, fp8_round
+
 LOG2E = 1.4426950408889634
 
 
@@ -46,17 +48,20 @@ def _softmax_step(acc, l_i, m_i, qk, v, keep, scale_log2, MASKED: tl.constexpr):
 
 @triton.jit
 def _gather(ptr, bt_row, kvh, pos, valid, offs_d, stride_b, stride_s, stride_h,
-            BS: tl.constexpr, MASKED: tl.constexpr):
-    """Rows at positions pos [BLOCK_N] of one KV head from the paged cache; invalid rows 0
-    (their block-table entries may be -1, so they are never dereferenced)."""
+            BS: tl.constexpr, MASKED: tl.constexpr, DT: tl.constexpr):
+    """Rows at positions pos [BLOCK_N] of one KV head from the paged cache, in dtype DT (q's:
+    an fp8 cache's values are exact in it); invalid rows 0 (their block-table entries may be
+    -1, so they are never dereferenced)."""
     if MASKED:
         page = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + pos // BS).to(tl.int64)
     ptrs = ptr + page[:, None] * stride_b + (pos % BS)[:, None] * stride_s + kvh * stride_h
     if MASKED:
-        return tl.load(ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)
-    return tl.load(ptrs + offs_d[None, :])
+        x = tl.load(ptrs + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs + offs_d[None, :])
+    return x.to(DT)
 
 
 @triton.jit
@@ -66,7 +71,10 @@ def _prefill_phased_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
+    """FP8: the cache is fp8, so the new tokens' K/V read through the descriptors (q's dtype)
+    are rounded as store_kv rounded them into the cache."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal starts on a tile boundary
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # longest programs first
@@ -98,18 +106,18 @@ def _prefill_phased_kernel(
     for s in range(0, full, BLOCK_N):
         pos = s + offs_n
         k = _gather(k_ptr, bt_row, kvh, pos, None, offs_d, stride_kb, stride_ks, stride_kh,
-                    BS, False)
+                    BS, False, q.dtype)
         v = _gather(v_ptr, bt_row, kvh, pos, None, offs_d, stride_vb, stride_vs, stride_vh,
-                    BS, False)
+                    BS, False, q.dtype)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v, None,
                                       scale_log2, False)
     if full < prefix:
         pos = full + offs_n
         valid = pos < prefix
         k = _gather(k_ptr, bt_row, kvh, pos, valid, offs_d, stride_kb, stride_ks, stride_kh,
-                    BS, True)
+                    BS, True, q.dtype)
         v = _gather(v_ptr, bt_row, kvh, pos, valid, offs_d, stride_vb, stride_vs, stride_vh,
-                    BS, True)
+                    BS, True, q.dtype)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v,
                                       valid[None, :], scale_log2, True)
 
@@ -122,12 +130,14 @@ def _prefill_phased_kernel(
             # diagonal tiles reach them, where they are masked
             k = kn_desc.load([q_start + s, kvh * D])
             v = vn_desc.load([q_start + s, kvh * D])
+            if FP8:
+                k, v = fp8_round(k), fp8_round(v)
         else:
             pos = prefix + s + offs_n
             k = _gather(k_ptr, bt_row, kvh, pos, None, offs_d, stride_kb, stride_ks,
-                        stride_kh, BS, False)
+                        stride_kh, BS, False, q.dtype)
             v = _gather(v_ptr, bt_row, kvh, pos, None, offs_d, stride_vb, stride_vs,
-                        stride_vh, BS, False)
+                        stride_vh, BS, False, q.dtype)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v, None,
                                       scale_log2, False)
     for s in range(lo, hi, BLOCK_N):
@@ -136,11 +146,13 @@ def _prefill_phased_kernel(
         if DESC:
             k = kn_desc.load([q_start + s, kvh * D])
             v = vn_desc.load([q_start + s, kvh * D])
+            if FP8:
+                k, v = fp8_round(k), fp8_round(v)
         else:
             k = _gather(k_ptr, bt_row, kvh, prefix + offs_j, valid, offs_d, stride_kb,
-                        stride_ks, stride_kh, BS, True)
+                        stride_ks, stride_kh, BS, True, q.dtype)
             v = _gather(v_ptr, bt_row, kvh, prefix + offs_j, valid, offs_d, stride_vb,
-                        stride_vs, stride_vh, BS, True)
+                        stride_vs, stride_vh, BS, True, q.dtype)
         keep = (offs_j[None, :] <= offs_m[:, None]) & valid[None, :]
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v, keep,
                                       scale_log2, True)
@@ -178,7 +190,8 @@ def phased_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                              num_stages: int = 3, warp_specialize: bool = False) -> torch.Tensor:
     """paged_prefill_attention's contract; with k_new / v_new [T, KVH, D] (the new tokens' K/V,
-    packed like q, as stored in the cache) phase 2 reads them through TMA descriptors."""
+    packed like q, as stored in the cache; in q's dtype, rounded here to fp8 where the cache
+    is fp8) phase 2 reads them through TMA descriptors."""
     o, grid, BS, group = launch_geometry(q, k_cache, block_tables, max_q_len, block_m)
     if grid is None:
         return o
@@ -191,5 +204,6 @@ def phased_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, D=q.shape[2], BS=BS, BLOCK_M=block_m, BLOCK_N=block_n, DESC=desc,
-        WS=warp_specialize, num_warps=num_warps, num_stages=num_stages)
+        WS=warp_specialize, FP8=desc and k_cache.dtype == FP8, num_warps=num_warps,
+        num_stages=num_stages)
     return o

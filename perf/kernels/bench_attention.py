@@ -44,6 +44,7 @@ from attention_prefill import (  # perf/kernels/attention_prefill.py, beside thi
     bench_prefill_prefix,
 )
 
+from volundr.kernels.attention.cache import FP8
 from volundr.kernels.attention.decode import paged_decode_attention
 from volundr.kernels.attention.naive import naive_paged_attention
 from volundr.kernels.norm.engine import rms_norm, swiglu
@@ -80,10 +81,10 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 31) / (ms * 1e-3)
 
 
-def decode_inputs(B: int, L: int, R: int):
+def decode_inputs(B: int, L: int, R: int, kv_dtype: torch.dtype = DT):
     nb = B * L // BS
-    kc = torch.randn(R * nb, BS, KVH, D, device="cuda", dtype=DT)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(R * nb, BS, KVH, D, device="cuda", dtype=DT).to(kv_dtype)
+    vc = torch.randn(R * nb, BS, KVH, D, device="cuda", dtype=DT).to(kv_dtype)
     perm = torch.randperm(R * nb, device="cuda").int()
     bts = [perm[r * nb:(r + 1) * nb].view(B, L // BS) for r in range(R)]
     q = torch.randn(B, H, D, device="cuda", dtype=DT)
@@ -136,31 +137,32 @@ def _decode_calls(q, kc, vc, bts, cu, ctx, L, kw, fence=None):
     return out
 
 
-def bench_decode(cfgs, contexts, batches, fenced=False):
+def bench_decode(cfgs, contexts, batches, fenced=False, kv_dtypes=("bf16",)):
+    """kv_dtypes: the caches' ("bf16", "fp8": e4m3, half the bytes), each timed in turn."""
     rows = []
-    for B in batches:
-        for L in contexts:
-            kv_bytes = B * L * KVH * D * 2 * 2
-            R = max(1, min(64, math.ceil((512 << 20) / kv_bytes)))
-            q, kc, vc, bts, cu, ctx = decode_inputs(B, L, R)
-            if B * L <= 16 * 4096:  # every config == naive on the bench inputs
-                ref = naive_paged_attention(q, kc, vc, bts[0], cu, ctx, SCALE).float()
-            runs = [(name, kw, None) for name, kw in cfgs.items()]
-            if fenced:  # the same configs, each call fenced off from the one before
-                fence = torch.zeros(1, device="cuda")
-                runs += [(name + "|fenced", kw, fence) for name, kw in cfgs.items()]
-            for name, kw, fence in runs:
-                run = functools.partial(_decode_calls, q, kc, vc, bts, cu, ctx, L, kw, fence)
-                if B * L <= 16 * 4096:
-                    out = run()[0].float()
-                    err = ((out - ref).norm() / ref.norm()).item()
-                    assert err < 1.5e-2, (name, B, L, err)
-                ms = graph_ms(run) / R
-                rows.append(dict(batch=B, context=L, cfg=name, us=ms * 1e3,
-                                 bytes=kv_bytes, bytes_per_s=kv_bytes / (ms * 1e-3)))
-                print(f"decode B={B:3d} L={L:7d} {name:15s} {ms * 1e3:9.1f} us "
-                      f"{rows[-1]['bytes_per_s'] / 1e12:6.2f} TB/s", flush=True)
-            torch.cuda.empty_cache()
+    for B, L, kvd in ((B, L, k) for B in batches for L in contexts for k in kv_dtypes):
+        kdt = {"bf16": DT, "fp8": FP8}[kvd]
+        kv_bytes = B * L * KVH * D * 2 * kdt.itemsize
+        R = max(1, min(64, math.ceil((512 << 20) / kv_bytes)))
+        q, kc, vc, bts, cu, ctx = decode_inputs(B, L, R, kdt)
+        if B * L <= 16 * 4096:  # every config == naive on the bench inputs
+            ref = naive_paged_attention(q, kc, vc, bts[0], cu, ctx, SCALE).float()
+        runs = [(name, kw, None) for name, kw in cfgs.items()]
+        if fenced:  # the same configs, each call fenced off from the one before
+            fence = torch.zeros(1, device="cuda")
+            runs += [(name + "|fenced", kw, fence) for name, kw in cfgs.items()]
+        for name, kw, fence in runs:
+            run = functools.partial(_decode_calls, q, kc, vc, bts, cu, ctx, L, kw, fence)
+            if B * L <= 16 * 4096:
+                out = run()[0].float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                assert err < 1.5e-2, (name, kvd, B, L, err)
+            ms = graph_ms(run) / R
+            rows.append(dict(batch=B, context=L, cfg=name, kv=kvd, us=ms * 1e3,
+                             bytes=kv_bytes, bytes_per_s=kv_bytes / (ms * 1e-3)))
+            print(f"decode B={B:3d} L={L:7d} {kvd:4s} {name:15s} {ms * 1e3:9.1f} us "
+                  f"{rows[-1]['bytes_per_s'] / 1e12:6.2f} TB/s", flush=True)
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -197,15 +199,17 @@ def plot(res, path):
 
 def plot_decode(res, a1) -> None:
     bw = res["copy_bytes_per_s"] / 1e12
-    for B, cfg in sorted({(r["batch"], r["cfg"]) for r in res["decode"]}):
+    for B, cfg, kv in sorted({(r["batch"], r["cfg"], r.get("kv", "bf16"))
+                              for r in res["decode"]}):
         tb = {r["context"]: r["bytes_per_s"] / 1e12 for r in res["decode"]
-              if (r["batch"], r["cfg"]) == (B, cfg)}
+              if (r["batch"], r["cfg"], r.get("kv", "bf16")) == (B, cfg, kv)}
         xs = sorted(tb)
-        a1.plot(xs, [tb[x] for x in xs], "o-", label=f"batch {B}, {cfg}")
+        a1.plot(xs, [tb[x] for x in xs], "o-", label=f"batch {B}, {cfg}, {kv} KV")
     a1.axhline(bw, color="k", ls="--", label=f"D2D copy {bw:.2f} TB/s")
     a1.axhline(0.8 * bw, color="gray", ls=":", label="80% of copy")
     a1.set_xscale("log", base=2)
-    a1.set(xlabel="context (tokens)", ylabel="K+V TB/s", title="Decode attention (H200, bf16)")
+    a1.set(xlabel="context (tokens)", ylabel="K+V TB/s (the cache's bytes)",
+           title="Decode attention")
     a1.legend(fontsize=8)
 
 
@@ -236,6 +240,8 @@ def main():
     ap.add_argument("--prefill-only", action="store_true", help="prefill only (no norms, decode)")
     ap.add_argument("--decode-only", action="store_true", help="decode only (no norms, prefill)")
     ap.add_argument("--decode-cfgs", default="", help="comma-separated config names (decode_cfg)")
+    ap.add_argument("--kv-dtypes", default="bf16",
+                    help="decode: the caches' dtypes, comma-separated (bf16, fp8)")
     ap.add_argument("--fenced", action="store_true",
                     help="decode: also each config with a non-PDL kernel between calls")
     ap.add_argument("--prefix", type=int, default=0,
@@ -262,7 +268,8 @@ def main():
     if not a.prefill_only:
         if not a.decode_only:
             res["norm"] = bench_norm(bw)
-        res["decode"] = bench_decode(dcfg, [4096, 32768, 131072, 262144], [1, 16], a.fenced)
+        res["decode"] = bench_decode(dcfg, [4096, 32768, 131072, 262144], [1, 16], a.fenced,
+                                     a.kv_dtypes.split(","))
     res["prefill"] = [] if a.decode_only else bench_prefill(pcfg, [4096, 16384, 32768])
     if a.prefix:
         res["prefill_prefix"] = bench_prefill_prefix(pcfg, a.prefix, [512, 2048])
@@ -271,14 +278,17 @@ def main():
     plot(res, os.path.join(a.out, "attention_bench.png"))
     print("\nsummary (default cfgs): decode fraction of copy bandwidth")
     for r in res.get("decode", []):
-        print(f"  B={r['batch']:2d} L={r['context']:6d} {r['cfg']:15s} "
+        print(f"  B={r['batch']:2d} L={r['context']:6d} {r.get('kv', 'bf16'):4s} {r['cfg']:15s} "
               f"{r['bytes_per_s'] / bw:.2f}")
     if a.sweep:
         print("best config per shape:")
-        for key in sorted({(r["batch"], r["context"]) for r in res.get("decode", [])}):
-            rs = [r for r in res["decode"] if (r["batch"], r["context"]) == key]
+        for key in sorted({(r["batch"], r["context"], r.get("kv", "bf16"))
+                           for r in res.get("decode", [])}):
+            rs = [r for r in res["decode"]
+                  if (r["batch"], r["context"], r.get("kv", "bf16")) == key]
             b = max(rs, key=lambda r: r["bytes_per_s"])
-            print(f"  decode B={key[0]} L={key[1]}: {b['cfg']} {b['bytes_per_s'] / bw:.2f}")
+            print(f"  decode B={key[0]} L={key[1]} {key[2]}: {b['cfg']} "
+                  f"{b['bytes_per_s'] / bw:.2f}")
     failed = [r for r in res["prefill"] + res.get("prefill_prefix", []) if "failed" in r]
     for r in res["prefill"]:
         if "failed" in r:

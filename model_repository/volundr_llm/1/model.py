@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from volundr.serve.llm_inputs import generation_defaults, parse_control, parse_llm_request
 from volundr.serve.repo import model_parameters, resolve_model_dir
-from volundr.serve.triton_llm import Chunk, EngineLoop
+from volundr.serve.triton_llm import Chunk, EngineLoop, llm_kwargs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -64,20 +64,15 @@ class TritonPythonModel:
 
         params = model_parameters(args["model_config"])
         model_dir = resolve_model_dir(params.get("model_dir", ""))
-        gpu_gib = params.get("gpu_gib") or None
-        self.llm = LLM(model_dir, device=params.get("device") or None,
-                       max_num_seqs=int(params.get("max_num_seqs", 8)),
-                       max_num_batched_tokens=int(params.get("max_num_batched_tokens", 256)),
-                       max_model_len=int(params.get("max_model_len", 0)) or None,
-                       gpu_gib=float(gpu_gib) if gpu_gib else None,
-                       tensor_parallel_size=int(params.get("tensor_parallel_size") or 1),
-                       decode_steps=int(params.get("decode_steps") or 1))
+        self.llm = LLM(model_dir, **llm_kwargs(params))
         self.defaults = generation_defaults(self.llm.model_dir)
         self.loop = EngineLoop(self.llm,
                                max_in_flight=int(params.get("max_inflight") or 0) or None).start()
         pb_utils.Logger.log_info(f"volundr_llm: {self.llm.model_dir} on "
                                  f"{self.llm.engine.ecfg.device}, context "
-                                 f"{self.llm.max_model_len}, stats {self.llm.stats()}")
+                                 f"{self.llm.max_model_len}, KV cache "
+                                 f"{str(self.llm.engine.ecfg.kv_dtype).removeprefix('torch.')}, "
+                                 f"stats {self.llm.stats()}")
 
     def execute(self, requests: list) -> None:
         for request in requests:
