@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--gpu-gib", type=float, default=None, help="GPU memory budget in GiB")
     i.add_argument("--max-num-seqs", type=int, default=1)
     i.add_argument("--max-num-batched-tokens", type=int, default=512)
+    i.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                   help="the attention KV cache's dtype in the plan (auto: bf16)")
     i.add_argument("--json", action="store_true", help="print one JSON object")
 
     from volundr.converter.quantize import add_arguments as quantize_arguments

@@ -100,8 +100,13 @@ def render(source: str, cfg: VolundrConfig, s: dict, plan) -> str:
 
 def inspect_main(args: argparse.Namespace) -> int:
     cfg, source = _config(args)
+    import torch
+
+    from volundr.engine import kv_cache_torch_dtype
+
+    kv_dtype = kv_cache_torch_dtype(getattr(args, "kv_cache_dtype", "auto"), torch.bfloat16)
     plan = plan_memory(cfg, args.gpu_gib, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=kv_dtype)
     s = summary(cfg, plan)
     if args.json:
         print(json.dumps({"source": source, **s}, indent=2))

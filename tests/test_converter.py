@@ -206,5 +206,11 @@ def test_inspect_cli(tiny_dirs, tmp_path):
     assert "attention layers (18)" in r.stdout and "fits: NO" in r.stdout
     r = _cli("inspect", "--preset", "volundr-32b-q", "--gpu-gib", "16")
     assert r.returncode == 0 and "fits: yes" in r.stdout and "3.2" in r.stdout
+    bf16 = json.loads(_cli("inspect", "--preset", "volundr-32b-q", "--gpu-gib", "16",
+                           "--json").stdout)["memory"]
+    fp8 = json.loads(_cli("inspect", "--preset", "volundr-32b-q", "--gpu-gib", "16", "--json",
+                          "--kv-cache-dtype", "fp8").stdout)["memory"]
+    assert fp8["kv_dtype"] == "float8_e4m3fn" and bf16["kv_dtype"] == "bfloat16"
+    assert fp8["kv_gpu_tokens"] // 2 == bf16["kv_gpu_tokens"]
     r = _cli("inspect", str(tmp_path / "nope"))
     assert r.returncode == 2 and "nope" in r.stderr
