@@ -82,6 +82,16 @@ class _Common(BaseModel):
                                "out", param=name)
         if extra.get("logit_bias"):  # {} and null are fine
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        # No constrained decoding: JSON output cannot be guaranteed, so say so instead of
+        # returning free text to a client that will parse it (a named tool_choice pre-fills a
+        # call, the nearest thing this server offers).
+        fmt = extra.get("response_format")
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        if fmt is not None and kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported (no constrained "
+                           "decoding): leave it out or send {\"type\": \"text\"}; for "
+                           "structured output pass tools with tool_choice naming one",
+                           param="response_format")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")

@@ -47,7 +47,11 @@ def test_requests_checked_before_triton():
            ({"presence_penalty": 0.5}, "presence_penalty"),
            ({"frequency_penalty": -1}, "frequency_penalty"),
            ({"logit_bias": {"42": 5}}, "logit_bias"),
-           ({"tool_choice": "required"}, "needs tools")]
+           ({"tool_choice": "required"}, "needs tools"),
+           ({"response_format": {"type": "json_object"}}, "'json_object' is not supported"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "'json_schema' is not supported"),
+           ({"response_format": "json"}, "response_format")]
 
     async def go():
         transport = httpx.ASGITransport(app=app)
@@ -61,7 +65,8 @@ def test_requests_checked_before_triton():
         assert needle in r.json()["error"]["message"]
     # the defaults pass the checks and reach (the missing) Triton: 503
     bad = [({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-             "repetition_penalty": 1.0, "stream": True, "stream_options": {}}, "")]
+             "repetition_penalty": 1.0, "stream": True, "stream_options": {},
+             "response_format": {"type": "text"}}, "")]
     assert [r.status_code for r in asyncio.run(go())] == [503]
 
 
