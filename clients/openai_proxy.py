@@ -6,7 +6,8 @@ POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. St
 ending in `data: [DONE]`. Errors are OpenAI error JSON: 400 invalid request or prompt longer
 than the context, 404 unknown model, 429 server busy (backpressure), 503 Triton unavailable.
 A client that disconnects gets its Triton request cancelled and its sequence aborted (blocks and
-state slot freed).
+state slot freed). `n` choices are n Triton requests for the same prompt (openai_fanout), choice
+i seeded with `seed` + i; a failing choice or a client gone cancels them all.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from volundr.clients.openai_render import ChatRender, CompletionRender
+from volundr.clients.openai_fanout import FanOut, Item, choice_seed
+from volundr.clients.openai_render import (
+    ChatRender,
+    CompletionRender,
+    merge_full,
+    share_id,
+    total_usage,
+)
 from volundr.clients.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body
 from volundr.clients.triton import Delta, TritonRequestError, TritonUnavailable, VolundrTriton
 
@@ -91,7 +99,12 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
 class EventStream(StreamingResponse):
     """A streaming response that notices a client going away while nothing is being written
     (Starlette, on ASGI >= 2.4, only notices on the next write), and always closes its
-    iterator: closing `_sse` closes the Triton stream, which aborts the sequence."""
+    iterator and its choices' Triton streams (`fan`; even when `_sse` never started), which
+    aborts their sequences."""
+
+    def __init__(self, content, fan: FanOut, **kw) -> None:
+        super().__init__(content, **kw)
+        self.fan = fan
 
     async def __call__(self, scope, receive, send) -> None:
         async def stream() -> None:
@@ -110,6 +123,7 @@ class EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self.fan.aclose()
 
 
 def create_app(cfg: ProxyConfig) -> FastAPI:
@@ -171,83 +185,98 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         check_model(name)
         return model_card()
 
-    async def run(request: Request, req, render):
+    async def run(request: Request, req, make_render):
+        """`make_render(i)`: the render of choice i (state of its own, one per choice)."""
         check_model(req.model)
-        rid = f"{render.id_prefix}-{uuid.uuid4().hex}"
-        gen = triton().stream(VolundrTriton.inputs(**_tensors(req)), request_id=rid)
+        fields = _tensors(req)
+        renders = share_id([make_render(i) for i in range(req.n)])
+        rid = f"{renders[0].id_prefix}-{uuid.uuid4().hex}"
+        fan = FanOut([triton().stream(  # n requests at once: the engine batches them
+            VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i)}),
+            request_id=f"{rid}-{i}") for i in range(req.n)])
         if not req.stream:
-            return JSONResponse(await _collect(request, gen, render))
+            return JSONResponse(await _collect(request, fan, renders))
         try:  # the first response decides the HTTP status (e.g. 400 prompt too long)
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
+            first = await fan.first()
         except (TritonRequestError, TritonUnavailable) as e:
             raise triton_error(e) from None
-        return EventStream(_sse(gen, first, render), media_type="text/event-stream",
+        return EventStream(_sse(fan, first, renders), fan, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await request.body(), ChatRequest)
-        return await run(request, req, ChatRender(req, cfg.served_model_name,
-                                                   reasoning=cfg.reasoning_split,
-                                                   reasoning_opened=cfg.reasoning_opened))
+        return await run(request, req, lambda i: ChatRender(
+            req, cfg.served_model_name, reasoning=cfg.reasoning_split,
+            reasoning_opened=cfg.reasoning_opened, index=i))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_body(await request.body(), CompletionRequest)
-        return await run(request, req, CompletionRender(req, cfg.served_model_name))
+        return await run(request, req,
+                         lambda i: CompletionRender(req, cfg.served_model_name, index=i))
 
     return app
 
 
-async def _collect(request: Request, gen: AsyncIterator[Delta], render) -> dict:
-    """All deltas of a non-streamed request; aborts it if the client goes away meanwhile."""
-    async def drain() -> list[Delta]:
-        return [d async for d in gen]
-
-    task = asyncio.ensure_future(drain())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            break
-        if await request.is_disconnected():
-            task.cancel()  # closes the stream: VolundrTriton.stream sends the abort
-            await asyncio.gather(task, return_exceptions=True)
-            await gen.aclose()
-            raise APIError(499, "client closed the request", "client_closed")
+async def _collect(request: Request, fan: FanOut, renders: list) -> dict:
+    """All choices' deltas of a non-streamed request; aborts them if the client goes away
+    meanwhile (or one fails: FanOut)."""
+    task = asyncio.ensure_future(fan.collect())
     try:
-        deltas = task.result()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()  # closes the streams: VolundrTriton.stream sends the aborts
+                await asyncio.gather(task, return_exceptions=True)
+                await fan.aclose()
+                raise APIError(499, "client closed the request", "client_closed")
+    finally:
+        if not task.done():  # this handler cancelled
+            task.cancel()
+            fan.cancel()
+    try:
+        per_choice = task.result()
     except (TritonRequestError, TritonUnavailable) as e:
         raise triton_error(e) from None
-    return render.full(deltas)
+    return merge_full([r.full(ds) for r, ds in zip(renders, per_choice)])
 
 
-async def _sse(gen: AsyncIterator[Delta], first: Delta | None, render) -> AsyncIterator[str]:
+async def _sse(fan: FanOut, first: list[Item], renders: list) -> AsyncIterator[str]:
+    """The choices' chunks as they come, each choice's own role chunk first and finish chunk
+    last; then one usage chunk for all of them (include_usage)."""
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    lasts: list[Delta | None] = [None] * len(renders)
+
+    def chunks(i: int, d: Delta | None) -> list[dict]:
+        if d is None:  # choice i has ended
+            return renders[i].finish(lasts[i], usage=False)
+        lasts[i] = d
+        return renders[i].delta(d)
+
     try:
-        for obj in render.start():
-            yield event(obj)
-        last = None
-        if first is not None:
-            last = first
-            for obj in render.delta(first):
+        for r in renders:
+            for obj in r.start():
                 yield event(obj)
-            async for d in gen:
-                last = d
-                for obj in render.delta(d):
-                    yield event(obj)
-        for obj in render.finish(last):
-            yield event(obj)
+        for i, d in first:
+            for obj in chunks(i, d):
+                yield event(obj)
+        async for i, d in fan:
+            for obj in chunks(i, d):
+                yield event(obj)
+        if renders[0].req.include_usage():
+            yield event(renders[0].usage_chunk(total_usage(lasts)))
     except (TritonRequestError, TritonUnavailable) as e:
         err = triton_error(e)
         yield event({"error": {"message": err.message, "type": err.type, "param": err.param,
                                "code": err.code}})
     finally:
         with anyio.CancelScope(shield=True):  # a disconnect lands here
-            await gen.aclose()  # VolundrTriton.stream then aborts the running sequence
+            await fan.aclose()  # VolundrTriton.stream then aborts the running sequences
     yield "data: [DONE]\n\n"
 
 

@@ -12,6 +12,9 @@ call, the message is what parse_tool_calls leaves, prefix + text as content (as 
 nothing the model wrote is lost). A named function: always one call with that name (no content),
 its arguments read by openai_tool_choice.ForcedArguments (valid JSON or not) and streamed as
 they are generated.
+
+`n` choices: one render per choice (its `index`), all under one response id (`share_id`); the
+proxy merges their results (`merge_full`) and sends one usage for all (`total_usage`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,32 @@ def _usage(last: Delta | None) -> dict:
     n_in = last.num_input_tokens if last else 0
     n_out = last.num_output_tokens if last else 0
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def _summed(usages: list[dict]) -> dict:
+    """The usage of n choices: the prompt counted once (it is the same prompt for each, as
+    OpenAI reports n > 1), completion tokens summed over the choices."""
+    n_in = max(u["prompt_tokens"] for u in usages)
+    n_out = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def total_usage(lasts: list[Delta | None]) -> dict:
+    """The usage of the choices whose last deltas these are."""
+    return _summed([_usage(d) for d in lasts])
+
+
+def share_id(renders: list) -> list:
+    """The renders of one request's choices answer under the first one's id and time."""
+    for r in renders[1:]:
+        r.id, r.created = renders[0].id, renders[0].created
+    return renders
+
+
+def merge_full(parts: list[dict]) -> dict:
+    """One response of the choices' whole ones (`full` of each render, in index order)."""
+    return {**parts[0], "choices": [c for p in parts for c in p["choices"]],
+            "usage": _summed([p["usage"] for p in parts])}
 
 
 def _tool_calls(calls: list[dict], indexed: bool) -> list[dict]:
@@ -59,10 +88,11 @@ class ChatRender:
     id_prefix = "chatcmpl"
 
     def __init__(self, req: ChatRequest, model: str, reasoning: bool = True,
-                 reasoning_opened: bool = False):
+                 reasoning_opened: bool = False, index: int = 0):
         """`reasoning`: split `<think>...</think>` off into reasoning_content (off: all text is
-        content); `reasoning_opened`: the template opens `<think>` in the prompt."""
-        self.req, self.model = req, model
+        content); `reasoning_opened`: the template opens `<think>` in the prompt; `index`: the
+        choice this render is (of n)."""
+        self.req, self.model, self.index = req, model, index
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.tools = req.tools_active()
@@ -82,7 +112,7 @@ class ChatRender:
     def _chunk(self, delta: dict, reason: str | None = None) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                "model": self.model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None,
+               "choices": [{"index": self.index, "delta": delta, "logprobs": None,
                             "finish_reason": reason}]}
         if self.req.include_usage():
             obj["usage"] = None
@@ -129,7 +159,13 @@ class ChatRender:
         piece, self.sent = self.text[self.sent:end], end
         return [self._chunk({"content": piece})]
 
-    def finish(self, last: Delta | None) -> list[dict]:
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = self._chunk({})
+        obj["choices"], obj["usage"] = [], usage
+        return obj
+
+    def finish(self, last: Delta | None, usage: bool = True) -> list[dict]:
+        """The last chunks of this choice; `usage`: and the usage chunk (include_usage)."""
         out, reason = [], finish_reason(last.finish_reason if last else "stop")
         if self.args is not None:
             out, reason = self._arguments(final=True), _forced_reason(self.args, reason)
@@ -148,10 +184,8 @@ class ChatRender:
             out.append(self._chunk({"tool_calls": _tool_calls(calls, indexed=True)}))
             reason = "tool_calls"
         out.append(self._chunk({}, reason))
-        if self.req.include_usage():
-            obj = self._chunk({})
-            obj["choices"], obj["usage"] = [], _usage(last)
-            out.append(obj)
+        if usage and self.req.include_usage():
+            out.append(self.usage_chunk(_usage(last)))
         return out
 
     def full(self, deltas: list[Delta]) -> dict:
@@ -178,7 +212,7 @@ class ChatRender:
                 reason = "tool_calls"
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": self.index, "message": message, "logprobs": None,
                              "finish_reason": reason}],
                 "usage": _usage(last)}
 
@@ -186,15 +220,15 @@ class ChatRender:
 class CompletionRender:
     id_prefix = "cmpl"
 
-    def __init__(self, req: CompletionRequest, model: str):
-        self.req, self.model = req, model
+    def __init__(self, req: CompletionRequest, model: str, index: int = 0):
+        self.req, self.model, self.index = req, model, index
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _chunk(self, text: str, reason: str | None = None) -> dict:
         obj = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,
-               "choices": [{"index": 0, "text": text, "logprobs": None,
+               "choices": [{"index": self.index, "text": text, "logprobs": None,
                             "finish_reason": reason}]}
         if self.req.include_usage():
             obj["usage"] = None
@@ -206,12 +240,15 @@ class CompletionRender:
     def delta(self, d: Delta) -> list[dict]:
         return [self._chunk(d.text)] if d.text else []
 
-    def finish(self, last: Delta | None) -> list[dict]:
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = self._chunk("")
+        obj["choices"], obj["usage"] = [], usage
+        return obj
+
+    def finish(self, last: Delta | None, usage: bool = True) -> list[dict]:
         out = [self._chunk("", finish_reason(last.finish_reason if last else "stop"))]
-        if self.req.include_usage():
-            obj = self._chunk("")
-            obj["choices"], obj["usage"] = [], _usage(last)
-            out.append(obj)
+        if usage and self.req.include_usage():
+            out.append(self.usage_chunk(_usage(last)))
         return out
 
     def full(self, deltas: list[Delta]) -> dict:
@@ -221,7 +258,7 @@ class CompletionRender:
             text = self.req.text() + text
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": self.index, "text": text, "logprobs": None,
                              "finish_reason": finish_reason(last.finish_reason if last
                                                             else "stop")}],
                 "usage": _usage(last)}

@@ -13,6 +13,8 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Sampling options this server does not implement, with the value that means "off".
 UNSUPPORTED_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+# Choices per request (`n`): each one is its own sequence in the engine.
+MAX_N = 16
 
 
 class APIError(Exception):
@@ -69,9 +71,8 @@ class _Common(BaseModel):
         return n
 
     def check(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; this server returns one choice "
-                           "(n=1)", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         extra = self.model_extra or {}

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
 import pytest
+
+from volundr.clients.triton import VolundrTriton
 
 pytestmark = pytest.mark.server
 MESSAGES = [{"role": "user", "content": "Tell me about Volundr the smith."}]
@@ -134,7 +137,8 @@ BAD = [
      "UTF-8"),
     (b'{"model": "volundr", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
      "surrogate"),
-    (json.dumps({"model": "volundr", "messages": MESSAGES, "n": 3}).encode(), 400, "n=3"),
+    (json.dumps({"model": "volundr", "messages": MESSAGES, "n": 17}).encode(), 400,
+     "n must be between 1 and 16"),
     (json.dumps({"model": "volundr", "messages": [{"role": "robot", "content": "x"}]}).encode(),
      400, "role"),
     # Values that do not fit Triton's INT32 / INT64 tensors: a 400, not a 500 or a wrapped value
@@ -159,7 +163,7 @@ BAD = [
 @pytest.mark.parametrize("body,status,needle", BAD, ids=[
     "malformed-json", "no-messages", "empty-messages", "unknown-model", "negative-max-tokens",
     "negative-temperature", "infinite-temperature", "temperature-above-2", "prompt-too-long",
-    "invalid-utf8", "lone-surrogate", "n3", "role",
+    "invalid-utf8", "lone-surrogate", "n17", "role",
     "huge-seed", "max-tokens-past-int32", "huge-top-k", "bad-tool-choice",
     "tool-choice-unknown-function", "tool-parameters-not-an-object"])
 def test_bad_input_is_a_clear_4xx_and_serving_goes_on(serving, client, body, status, needle):
@@ -179,8 +183,9 @@ def test_bad_input_is_a_clear_4xx_and_serving_goes_on(serving, client, body, sta
 
 
 def test_sdk_raises_typed_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n=3"):
-        client.chat.completions.create(model="volundr", messages=MESSAGES, n=3)
+    with pytest.raises(openai.BadRequestError, match="n must be between 1 and 16") as e:
+        client.chat.completions.create(model="volundr", messages=MESSAGES, n=0)
+    assert e.value.param == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError) as e:
@@ -261,3 +266,105 @@ def test_unknown_routes_are_openai_errors(serving, method, path, status):
     r = httpx.request(method, f"{serving.proxy_url}{path}", json={}, timeout=60)
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- n choices: n requests for the same prompt, batched by the engine ----------------------
+
+def test_chat_n_choices_seeded(client):
+    kw = dict(model="volundr", messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    a = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.content for c in a.choices)
+    single = client.chat.completions.create(**{**kw, "n": 1})
+    # the prompt counted once, the completions summed (6 tokens each)
+    assert a.usage.prompt_tokens == single.usage.prompt_tokens
+    assert a.usage.completion_tokens == 3 * single.usage.completion_tokens == 18
+    assert a.usage.total_tokens == a.usage.prompt_tokens + 18
+    texts = [c.message.content for c in a.choices]
+    assert len(set(texts)) > 1  # choice i is seeded with seed + i: they differ
+    b = client.chat.completions.create(**kw)
+    assert [c.message.content for c in b.choices] == texts  # and the request is reproducible
+    for i in range(3):  # choice i is what a single request with seed 7 + i gives
+        one = client.chat.completions.create(**{**kw, "n": 1, "seed": 7 + i})
+        assert one.choices[0].message.content == texts[i]
+    greedy = client.chat.completions.create(**{**kw, "temperature": 0.0, "n": 2})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_chat_n_streamed(client):
+    kw = dict(model="volundr", messages=MESSAGES, n=2, max_tokens=8, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts, reasons = {0: "", 1: ""}, {}
+    for c in chunks[:-1]:
+        [ch] = c.choices
+        texts[ch.index] += ch.delta.content or ""
+        if ch.finish_reason:
+            reasons[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert reasons == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completions_n(client):
+    kw = dict(model="volundr", prompt="Once upon a time", n=2, max_tokens=5, temperature=1.0,
+              seed=3, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage.completion_tokens == 10
+    texts = {0: "", 1: ""}
+    for c in client.completions.create(**kw, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == {c.index: c.text for c in whole.choices}
+
+
+def _stats(url: str) -> dict:
+    async def go():
+        async with VolundrTriton(url) as t:
+            return await t.stats()
+    return asyncio.run(go())
+
+
+def _idle(url: str, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = _stats(url)
+        if (s["running"] == 0 and s["active_requests"] == 0
+                and s["num_blocks_free"] == s["num_blocks_total"]) or \
+                time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def test_n_choices_all_aborted_when_the_client_goes(serving, client):
+    body = {"model": "volundr", "messages": MESSAGES, "n": 3, "max_tokens": 1500,
+            "ignore_eos": True}
+    url = f"{serving.proxy_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        seen: set[int] = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+            if len(seen) == 3:
+                during = _stats(serving.grpc_url)  # still reading: the sequences run
+                break  # leaving the loop closes the response: the client is gone
+    assert during["running"] == 3, during
+    t0 = time.monotonic()
+    after = _idle(serving.grpc_url)
+    assert after["running"] == 0 and after["active_requests"] == 0, after
+    assert after["num_blocks_free"] == after["num_blocks_total"], after
+    assert time.monotonic() - t0 < 5  # aborted, not run to their 1500 tokens (~13 s on CPU)
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
+        httpx.post(url, json=body, timeout=httpx.Timeout(60, read=1.0))
+    t0 = time.monotonic()
+    after = _idle(serving.grpc_url)
+    assert after["running"] == 0 and after["active_requests"] == 0, after
+    assert time.monotonic() - t0 < 5
+    ok = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=2, n=2)
+    assert len(ok.choices) == 2
