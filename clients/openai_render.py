@@ -178,6 +178,7 @@ class ChatRender:
         calls = []
         if self.tools and tail:
             tail, calls = parse_tool_calls(tail)
+            calls = self._allowed(calls)
         if tail and (tail.strip() or not calls):
             out.append(self._chunk({"content": tail}))
         if calls:
@@ -187,6 +188,10 @@ class ChatRender:
         if usage and self.req.include_usage():
             out.append(self.usage_chunk(_usage(last)))
         return out
+
+    def _allowed(self, calls: list[dict]) -> list[dict]:
+        """parallel_tool_calls false: the first call only (the rest dropped, as vLLM does)."""
+        return calls[:1] if self.req.parallel_tool_calls is False else calls
 
     def full(self, deltas: list[Delta]) -> dict:
         last = deltas[-1] if deltas else None
@@ -206,6 +211,7 @@ class ChatRender:
                 message["content"], message["reasoning_content"] = text or None, reasoning or None
         if self.tools and self.args is None:
             rest, calls = parse_tool_calls(text)
+            calls = self._allowed(calls)
             if calls:
                 message["content"] = rest or None
                 message["tool_calls"] = _tool_calls(calls, indexed=False)

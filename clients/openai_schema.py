@@ -113,6 +113,7 @@ class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(..., min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call comes back (as vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
 
     def tools_active(self) -> bool:

@@ -106,6 +106,23 @@ def test_tool_calls_are_parsed(stream):
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
 
 
+@pytest.mark.parametrize("parallel", [None, True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel, stream):
+    two = GENERATED + '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
+    req = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}], tools=TOOLS,
+                      stream=stream, parallel_tool_calls=parallel)
+    r = ChatRender(req, "volundr")
+    ds = deltas(two)
+    if stream:
+        chunks = r.start() + [c for d in ds for c in r.delta(d)] + r.finish(ds[-1])
+        calls = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    else:
+        calls = r.full(ds)["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == (
+        ["get_weather"] if parallel is False else ["get_weather", "get_time"])
+
+
 def test_without_tools_the_text_is_kept():
     req = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}], stream=True)
     r = ChatRender(req, "volundr")
