@@ -159,6 +159,16 @@ class CompletionRequest(_Common):
     prompt: str | list[str]
     echo: bool | None = False
 
+    def check(self) -> None:
+        super().check()
+        extra = self.model_extra or {}
+        if extra.get("suffix"):  # "" and null are fine
+            raise APIError(400, "suffix (text after the completion) is not supported",
+                           param="suffix")
+        if extra.get("best_of") not in (None, 1):
+            raise APIError(400, "best_of is not supported; n returns n samples",
+                           param="best_of")
+
     def text(self) -> str:
         if isinstance(self.prompt, list):
             if len(self.prompt) != 1:

@@ -70,6 +70,27 @@ def test_requests_checked_before_triton():
     assert [r.status_code for r in asyncio.run(go())] == [503]
 
 
+def test_completions_options_checked_before_triton():
+    """Legacy completions' suffix and best_of are a 400, not ignored; their off values pass
+    (and reach the missing Triton: 503)."""
+    app = create_app(ProxyConfig(triton_grpc=f"127.0.0.1:{free_port()}"))
+    cases = [({"suffix": "end"}, 400, "suffix"), ({"best_of": 3}, 400, "best_of"),
+             ({"suffix": "", "best_of": 1}, 503, ""), ({"suffix": None, "best_of": None}, 503, "")]
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+            return [await c.post("/v1/completions",
+                                 json={"model": "volundr", "prompt": "hi", **extra})
+                    for extra, _, _ in cases]
+
+    for r, (_, status, needle) in zip(asyncio.run(go()), cases):
+        assert r.status_code == status, r.text
+        assert needle in r.json()["error"]["message"]
+        if needle:
+            assert r.json()["error"]["param"] == needle
+
+
 def deltas(text: str, step: int = 3, reason: str = "stop") -> list[Delta]:
     parts = [text[i:i + step] for i in range(0, len(text), step)]
     return [Delta(p, reason if i == len(parts) - 1 else "", 10, i + 1, i == len(parts) - 1)
