@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from volundr.clients.openai_fanout import FanOut, Item, choice_seed
+from volundr.clients.openai_reasoning import add_reasoning_args
 from volundr.clients.openai_render import (
     ChatRender,
     CompletionRender,
@@ -289,12 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--served-model-name", default="volundr")
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--no-reasoning-split", action="store_true",
-                    help="chat: return <think>...</think> inside content, not as "
-                         "reasoning_content")
-    ap.add_argument("--reasoning-opened-in-prompt", action="store_true",
-                    help="the chat template opens <think> in the generation prompt: generated "
-                         "text starts inside the reasoning")
+    add_reasoning_args(ap)
     args = ap.parse_args(argv)
     cfg = ProxyConfig(args.triton_grpc, args.served_model_name, args.max_model_len,
                       reasoning_split=not args.no_reasoning_split,

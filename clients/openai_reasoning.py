@@ -15,6 +15,8 @@ closed, empty block), so it is off by default; see ProxyConfig.reasoning_opened.
 
 from __future__ import annotations
 
+import argparse
+
 from volundr.serve.stop import partial_stop_len
 
 THINK_OPEN = "<think>"
@@ -100,3 +102,14 @@ def split_all(text: str, opened: bool = False) -> tuple[str | None, str]:
     r1, c1 = s.feed(text)
     r2, c2 = s.end()
     return (r1 + r2 if s.found else None), c1 + c2
+
+
+def add_reasoning_args(ap: argparse.ArgumentParser) -> None:
+    """The reasoning split's two flags, for the proxy and volundr-serve alike (this module
+    needs no FastAPI): --no-reasoning-split, --reasoning-opened-in-prompt."""
+    ap.add_argument("--no-reasoning-split", action="store_true",
+                    help="chat: return the model's <think>...</think> inside content instead of "
+                         "as reasoning_content")
+    ap.add_argument("--reasoning-opened-in-prompt", action="store_true",
+                    help="the checkpoint's chat template opens <think> in the generation prompt "
+                         "(the Volundr template does not): generated text starts as reasoning")

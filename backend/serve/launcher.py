@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from volundr.clients.openai_reasoning import add_reasoning_args
 from volundr.serve.profiles import PROFILES, profiles_table
 from volundr.serve.triton_env import SetupError
 
@@ -138,12 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve Triton only (HTTP/gRPC), without the OpenAI proxy")
     ap.add_argument("--served-model-name", default="volundr",
                     help="the model name the OpenAI API answers to")
-    ap.add_argument("--no-reasoning-split", action="store_true",
-                    help="chat: return the model's <think>...</think> inside content instead of "
-                         "as reasoning_content")
-    ap.add_argument("--reasoning-opened-in-prompt", action="store_true",
-                    help="the checkpoint's chat template opens <think> in the generation prompt "
-                         "(the Volundr template does not): generated text starts as reasoning")
+    add_reasoning_args(ap)
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="where the server logs go (default: a run directory in the cache)")
