@@ -193,16 +193,19 @@ def forced_tool_prefix(tool_choice: Any) -> str:
 
 def validate_tool_choice(tool_choice: Any, tools: list | None) -> None:
     """ValueError unless tool_choice is absent, "none", "auto", "required" or names a function
-    of `tools` (a forced call needs tools)."""
+    of `tools` (a forced call needs tools). The OpenAI proxy checks requests with it too,
+    before they reach Triton (its tools not yet validated: entries without a function dict are
+    skipped)."""
     if tool_choice is None or tool_choice in ("none", "auto"):
         return
     name = forced_tool_name(tool_choice)
     if tool_choice != "required" and (name is None or tool_choice.get("type") != "function"):
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
-                         '"function", "function": {"name": ...}}')
-    names = [t["function"]["name"] for t in tools or []]
+                         f'"function", "function": {{"name": ...}}}}, got {tool_choice!r}')
+    names = [fn.get("name") for t in tools or []
+             if isinstance(t, dict) and isinstance(fn := t.get("function", t), dict)]
     if not names:
-        raise ValueError("tool_choice forces a tool call, but there are no tools")
+        raise ValueError("tool_choice forces a tool call, so it needs tools: there are no tools")
     if name is not None and name not in names:
         raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
 

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from volundr.chat import validate_tool_choice
+
 # Request fields travel to Triton as INT32 / INT64 tensors: larger values must not wrap around.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -135,24 +137,10 @@ class ChatRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        tc = self.tool_choice
-        if isinstance(tc, str) and tc not in ("none", "auto", "required"):
-            raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
-                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
-                           f"got {tc!r}", param="tool_choice")
-        if tc == "required" and not self.tools:
-            raise APIError(400, "tool_choice \"required\" needs tools", param="tool_choice")
-        if isinstance(tc, dict):
-            f = tc.get("function")
-            name = f.get("name") if isinstance(f, dict) else None
-            if tc.get("type") != "function" or not isinstance(name, str):
-                raise APIError(400, "tool_choice must be {\"type\": \"function\", "
-                               "\"function\": {\"name\": ...}}", param="tool_choice")
-            names = [fn.get("name") for t in self.tools or []
-                     if isinstance(fn := t.get("function", t), dict)]
-            if name not in names:
-                raise APIError(400, f"tool_choice names the function {name!r}, which is not "
-                               "in tools", param="tool_choice")
+        try:  # the rule preprocessing applies too, checked here before Triton
+            validate_tool_choice(self.tool_choice, self.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
 
 
 class CompletionRequest(_Common):
