@@ -20,12 +20,18 @@ FP8_MAX = 448.0  # largest finite e4m3fn
 
 
 @triton.jit
+def _saturate(x):
+    """x in fp32, clamped to e4m3's finite range (+-FP8_MAX), as sm_90's conversion
+    (satfinite) and torch's saturate."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+
+
+@triton.jit
 def fp8_round(x):
     """x rounded to e4m3 (saturated at +-448) and back to x's dtype: the value an fp8 cache
     holds for x. (Triton's interpreter rounds wrongly across a binade, e.g. 1.96 -> 1.0; CPU
     tests use values on the fp8 grid.)"""
-    x8 = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
-    return x8.to(x.dtype)
+    return _saturate(x).to(tl.float8e4nv).to(x.dtype)
 
 
 @triton.jit
@@ -44,9 +50,8 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     d = offs % D
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    if FP8:  # saturate, as sm_90's conversion (satfinite) and torch's do
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
+    if FP8:
+        k, v = _saturate(k), _saturate(v)
     tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d,
              k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + d,
