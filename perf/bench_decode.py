@@ -53,6 +53,7 @@ import os
 import re
 import subprocess
 import time
+import traceback
 
 import torch
 
@@ -383,7 +384,8 @@ def main() -> None:
         try:
             res["runs"] += run_variant(spec, args, res["hbm_copy_GBps"], dev)
         except Exception as e:  # record it and go on: the other variants still count
-            res["runs"].append({"variant": spec, "error": repr(e)[:2000]})
+            res["runs"].append({"variant": spec, "error": repr(e)[:2000],
+                                "traceback": traceback.format_exc()[-3000:]})
             print(json.dumps(res["runs"][-1]), flush=True)
         gc.collect()  # the engine's reference cycles hold GPU memory until collected
         if dev.type == "cuda":

@@ -58,12 +58,14 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    BT_AHEAD: tl.constexpr = False, EARLY_IDX: tl.constexpr = False,
+    BT_AHEAD: tl.constexpr = False, EARLY_IDX: tl.constexpr = False, F16: tl.constexpr = False,
 ):
-    """BT_AHEAD: each tile's block-table entries are loaded one iteration ahead (the K/V
-    addresses then wait on no load of their own iteration). EARLY_IDX (implies BT_AHEAD): cu,
-    ctx and the first tile's entries are loaded before the PDL wait: host copies write them,
-    never a kernel of the chain (q and the new token's K/V are read after it)."""
+    """F16 (an fp8 cache): q saturated to float16 and K/V widened to float16, whose conversion
+    from e4m3 is one instruction per pair (to bfloat16 it is not). BT_AHEAD: each tile's
+    block-table entries are loaded one iteration ahead (the K/V addresses then wait on no load
+    of their own iteration). EARLY_IDX (implies BT_AHEAD): cu, ctx and the first tile's
+    entries are loaded before the PDL wait: host copies write them, never a kernel of the
+    chain (q and the new token's K/V are read after it)."""
     pdl.trigger()  # a PDL-launched successor may start
     if not EARLY_IDX:
         pdl.wait()  # PDL: inputs come from the kernel before
@@ -88,6 +90,8 @@ def _decode_split_kernel(
     gmask = offs_g < GROUP
     q = tl.load(q_ptr + q_idx.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    if F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -106,7 +110,7 @@ def _decode_split_kernel(
                     + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
         v = tl.load(v_ptr + cur[:, None] * stride_vb + row[:, None] * stride_vs
                     + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: exact in bf16
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: exact in bf16 and fp16
         qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [G_PAD, BLOCK_N]
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -243,7 +247,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4, num_stages: int = 3,
                            programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
                            bt_ahead: bool = False, early_idx: bool = True,
-                           all_heads: bool = False,
+                           all_heads: bool = False, f16: bool = False,
                            partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
@@ -263,6 +267,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (_decode_split_heads_kernel), the splits counted as for one KV head. Its load floor was
     higher (0.76 of copy at 32K instead of 0.72, run 64), the kernel slower: 0.25-0.34 at 32K
     batch 1, 0.38-0.54 at batch 16 (run 67), so off.
+    f16 (an fp8 cache only): the two dots in float16 instead of q's dtype (q saturated to
+    +-65504): e4m3 widens to float16 in one instruction per pair.
     partial_dtype: the per-split outputs (normalised, so of v's magnitude) written for the
     merge; bfloat16 halves that traffic (N H num_splits D elements written and read back):
     within the run-to-run spread on an H100 (run 74, perf/RESULTS.md session 18), so fp32.
@@ -298,7 +304,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _decode_split_heads_kernel[(N, 1, num_splits)](*args, KVH=KVH, **consts)
     else:
         _decode_split_kernel[(N, KVH, num_splits)](*args, BT_AHEAD=bt_ahead,
-                                                   EARLY_IDX=early_idx, **consts)
+                                                   EARLY_IDX=early_idx,
+                                                   F16=f16 and k_cache.element_size() == 1,
+                                                   **consts)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D
         _decode_merge_kernel[(N, H, D // block_d)](
