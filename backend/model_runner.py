@@ -9,6 +9,7 @@ Caches, allocated once:
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -20,6 +21,17 @@ from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
 from volundr.sampler import Sampler
 from volundr.scheduler import ScheduledSeq
 
+
+def _expandable_segments() -> None:
+    """Under a budget, let the caching allocator grow and shrink its segments: with fixed
+    segments, prefill's transient dequantisation buffers (~170 MiB) split segments that later
+    hold long-lived tensors, and 2 GiB of a 16 GiB cap sat reserved but unusable (H100 run 95,
+    an fp8 cache). PYTORCH_CUDA_ALLOC_CONF naming expandable_segments takes precedence."""
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    setter = setter or torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    setter("expandable_segments:True")
 
 class ModelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
@@ -44,6 +56,7 @@ class ModelRunner:
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, gpu_budget_gib * 2**30 / total), index)
+            _expandable_segments()
             budget_bytes = int(min(1.0, gpu_budget_gib * 2**30 / total) * total)
         self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
