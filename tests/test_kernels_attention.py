@@ -160,7 +160,7 @@ DECODE_CASES = [([9, 1, 37, 16], [1, 1, 1, 1]), ([70, 5, 33], [1, 0, 1])]
 # the split kernel as by default (early_idx), its table entries in order, only a tile ahead;
 # every KV head in one program
 DECODE_VARIANTS = [{}, dict(early_idx=False), dict(early_idx=False, bt_ahead=True),
-                   dict(all_heads=True), dict(partial_dtype=torch.bfloat16), dict(kt=True)]
+                   dict(all_heads=True), dict(partial_dtype=torch.bfloat16)]
 
 
 def _seed() -> int:
@@ -217,8 +217,7 @@ def run_cpu(group: str) -> None:
         elif group == "fp8":  # fp8 caches: decode, the paged / two-phase prefill, the engine
             for cl, ql in DECODE_CASES:
                 for ns, variant in ((None, {}), (3, {}), (3, DECODE_VARIANTS[1]),
-                                    (1, dict(all_heads=True)), (3, dict(f16=True)),
-                                    (3, dict(kt=True)), (1, dict(kt=True, f16=True))):
+                                    (1, dict(all_heads=True)), (3, dict(f16=True))):
                     if variant.get("f16") and dtype == torch.float32:
                         continue  # float16 dots: fp16's tolerance
                     check_attention(ql, cl, 6, 2, 32, 8, dtype, "cpu", _seed(), decode=True,
@@ -332,10 +331,9 @@ def test_cuda_store(T, kv_dtype):
 @pytest.mark.parametrize("ctx_lens", [[17, 4096, 33000, 250], [70000]])
 @pytest.mark.parametrize("num_splits", [None, 1])
 @pytest.mark.parametrize("f16", [False, True])
-@pytest.mark.parametrize("kt", [False, True])
-def test_cuda_decode_fp8(ctx_lens, num_splits, f16, kt):
+def test_cuda_decode_fp8(ctx_lens, num_splits, f16):
     check_attention([1] * len(ctx_lens), ctx_lens, 40, 2, 128, 16, torch.bfloat16, "cuda",
-                    _seed(), decode=True, num_splits=num_splits, kv_dtype=FP8, f16=f16, kt=kt)
+                    _seed(), decode=True, num_splits=num_splits, kv_dtype=FP8, f16=f16)
 
 
 @gpu

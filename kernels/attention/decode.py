@@ -59,15 +59,13 @@ def _decode_split_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     BT_AHEAD: tl.constexpr = False, EARLY_IDX: tl.constexpr = False, F16: tl.constexpr = False,
-    KT: tl.constexpr = False,
 ):
     """F16 (an fp8 cache): q saturated to float16 and K/V widened to float16, whose conversion
     from e4m3 is one instruction per pair (to bfloat16 it is not). BT_AHEAD: each tile's
     block-table entries are loaded one iteration ahead (the K/V addresses then wait on no load
     of their own iteration). EARLY_IDX (implies BT_AHEAD): cu, ctx and the first tile's
     entries are loaded before the PDL wait: host copies write them, never a kernel of the
-    chain (q and the new token's K/V are read after it). KT: the dots transposed (K, V^T as
-    their first operands, accumulator [D, G_PAD])."""
+    chain (q and the new token's K/V are read after it)."""
     pdl.trigger()  # a PDL-launched successor may start
     if not EARLY_IDX:
         pdl.wait()  # PDL: inputs come from the kernel before
@@ -97,10 +95,7 @@ def _decode_split_kernel(
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    if KT:
-        acc = tl.zeros([D, G_PAD], tl.float32)
-    else:
-        acc = tl.zeros([G_PAD, D], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
     for s in range(start, end, BLOCK_N):
         offs_n = s + offs_b
         nmask = offs_n < end
@@ -113,32 +108,18 @@ def _decode_split_kernel(
         row = offs_n % BS
         k = tl.load(k_ptr + cur[:, None] * stride_kb + row[:, None] * stride_ks
                     + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if KT:  # transposed: K and V^T the dots' first operands, straight from registers
-            vt = tl.load(v_ptr + cur[None, :] * stride_vb + row[None, :] * stride_vs
-                         + kvh * stride_vh + offs_d[:, None], mask=nmask[None, :], other=0.0)
-            k, vt = k.to(q.dtype), vt.to(q.dtype)
-            st = tl.dot(k, tl.trans(q)) * scale_log2                 # [BLOCK_N, G_PAD]
-            st = tl.where(nmask[:, None], st, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(st, 0))
-            pt = tl.exp2(st - m_new[None, :])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(pt, 0)
-            acc = acc * alpha[None, :] + tl.dot(vt, pt.to(vt.dtype))  # [D, G_PAD]
-        else:
-            v = tl.load(v_ptr + cur[:, None] * stride_vb + row[:, None] * stride_vs
-                        + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: exact in bf16 and fp16
-            qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [G_PAD, BLOCK_N]
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(v_ptr + cur[:, None] * stride_vb + row[:, None] * stride_vs
+                    + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: exact in bf16 and fp16
+        qk = tl.dot(q, tl.trans(k)) * scale_log2                     # [G_PAD, BLOCK_N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if KT:
-        acc = tl.trans(acc)
     out = acc / l_i[:, None]
     if DIRECT:  # a single split: this is the final output
         tl.store(o_ptr + q_idx.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -266,7 +247,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4, num_stages: int = 3,
                            programs_per_sm: int = 2, min_split: int = MIN_SPLIT,
                            bt_ahead: bool = False, early_idx: bool = True,
-                           all_heads: bool = False, f16: bool = False, kt: bool = False,
+                           all_heads: bool = False, f16: bool = False,
                            partial_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One new token per sequence (q_len 0 or 1): o [T, H, D] in q.dtype.
 
@@ -286,9 +267,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (_decode_split_heads_kernel), the splits counted as for one KV head. Its load floor was
     higher (0.76 of copy at 32K instead of 0.72, run 64), the kernel slower: 0.25-0.34 at 32K
     batch 1, 0.38-0.54 at batch 16 (run 67), so off.
-    f16 (an fp8 cache and 16-bit q only): the two dots in float16 instead of q's dtype (q
-    saturated to +-65504): e4m3 widens to float16 in one instruction per pair. kt: the two
-    dots transposed (K and V^T as their first operands, which sm_90 may take from registers).
+    f16 (an fp8 cache only): the two dots in float16 instead of q's dtype (q saturated to
+    +-65504): e4m3 widens to float16 in one instruction per pair.
     partial_dtype: the per-split outputs (normalised, so of v's magnitude) written for the
     merge; bfloat16 halves that traffic (N H num_splits D elements written and read back):
     within the run-to-run spread on an H100 (run 74, perf/RESULTS.md session 18), so fp32.
@@ -325,9 +305,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         _decode_split_kernel[(N, KVH, num_splits)](*args, BT_AHEAD=bt_ahead,
                                                    EARLY_IDX=early_idx,
-                                                   F16=f16 and k_cache.element_size() == 1
-                                                   and q.element_size() == 2,
-                                                   KT=kt,
+                                                   F16=f16 and k_cache.element_size() == 1,
                                                    **consts)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D

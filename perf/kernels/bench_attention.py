@@ -95,9 +95,9 @@ def decode_inputs(B: int, L: int, R: int, kv_dtype: torch.dtype = DT):
 
 def decode_cfg(name: str) -> dict:
     """paged_decode_attention's kwargs from a name
-    [heads_]nB_wW_sS_oO[+ahead][+early][+bf16p][+f16][+kt]: block_n, warps, stages, "o" =
+    [heads_]nB_wW_sS_oO[+ahead][+early][+bf16p][+f16]: block_n, warps, stages, "o" =
     programs_per_sm (the residency the split count is sized for); bf16p: bfloat16 partials;
-    f16: an fp8 cache's dots in float16; kt: the dots transposed."""
+    f16: an fp8 cache's dots in float16."""
     base, *flags = name.split("+")
     heads = base.startswith("heads_")
     n, w, s, o = (int(f[1:]) for f in base.removeprefix("heads_").split("_"))
@@ -108,10 +108,9 @@ def decode_cfg(name: str) -> dict:
     if "bf16p" in flags:
         flags.remove("bf16p")
         cfg["partial_dtype"] = torch.bfloat16
-    for f in ("f16", "kt"):
-        if f in flags:
-            flags.remove(f)
-            cfg[f] = True
+    if "f16" in flags:
+        flags.remove("f16")
+        cfg["f16"] = True
     cfg.update({dict(ahead="bt_ahead", early="early_idx")[f]: True for f in flags})
     return cfg
 
