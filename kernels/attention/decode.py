@@ -267,8 +267,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (_decode_split_heads_kernel), the splits counted as for one KV head. Its load floor was
     higher (0.76 of copy at 32K instead of 0.72, run 64), the kernel slower: 0.25-0.34 at 32K
     batch 1, 0.38-0.54 at batch 16 (run 67), so off.
-    f16 (an fp8 cache only): the two dots in float16 instead of q's dtype (q saturated to
-    +-65504): e4m3 widens to float16 in one instruction per pair.
+    f16 (an fp8 cache and 16-bit q only): the two dots in float16 instead of q's dtype (q
+    saturated to +-65504): e4m3 widens to float16 in one instruction per pair (H100 run 96;
+    run 99: the dots transposed, K and V^T as first operands, were 2x slower with it).
     partial_dtype: the per-split outputs (normalised, so of v's magnitude) written for the
     merge; bfloat16 halves that traffic (N H num_splits D elements written and read back):
     within the run-to-run spread on an H100 (run 74, perf/RESULTS.md session 18), so fp32.
@@ -305,7 +306,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         _decode_split_kernel[(N, KVH, num_splits)](*args, BT_AHEAD=bt_ahead,
                                                    EARLY_IDX=early_idx,
-                                                   F16=f16 and k_cache.element_size() == 1,
+                                                   F16=f16 and k_cache.element_size() == 1
+                                                   and q.element_size() == 2,
                                                    **consts)
     if num_splits > 1:
         block_d = 32 if D % 32 == 0 else D
