@@ -14,6 +14,7 @@ from volundr.model_runner import ModelRunner
 from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
+from volundr.session import SessionStore
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
 # format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
@@ -50,6 +51,9 @@ class EngineConfig:
     # The attention KV cache (main and MTP layers; KDA and conv states keep theirs): "auto" (the
     # model dtype), "bf16" / "bfloat16", "fp8" / "fp8_e4m3" (half the bytes of bf16 per token).
     kv_cache_dtype: str = "auto"
+    # Host memory for parked sessions (volundr.session): a finished request with a session id
+    # keeps its state there until its next turn; 0 turns sessions off. One device only.
+    session_gib: float = 4.0
 
     def __post_init__(self) -> None:
         kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)  # a clear ValueError if unknown
@@ -57,6 +61,8 @@ class EngineConfig:
                      "num_kv_blocks", "tensor_parallel_size", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.session_gib < 0:
+            raise ValueError("session_gib must be >= 0")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
@@ -76,6 +82,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens restored from the session's parked state
 
 
 class LLMEngine:
@@ -99,12 +106,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
+        # (tensor parallel ranks keep their states in their own processes: no sessions there)
+        on = ecfg.tensor_parallel_size == 1
+        self.sessions = SessionStore(int(ecfg.session_gib * 2**30) if on else 0)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
-                    input_embeds: dict[int, torch.Tensor] | None = None) -> str:
+                    input_embeds: dict[int, torch.Tensor] | None = None,
+                    session_id: str | None = None) -> str:
         """input_embeds: prompt position -> [hidden] vector used instead of that token's
-        embedding (image patches from a vision tower, for example)."""
+        embedding (image patches from a vision tower, for example). session_id: resume the
+        session's parked state if this prompt extends its tokens, and park this request's
+        state under it when it ends (volundr.session)."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.check()  # WorkerError once a rank is gone
         ids = [int(t) for t in prompt_token_ids]
@@ -127,6 +140,11 @@ class LLMEngine:
                 raise ValueError(f"input embedding at position {pos} has shape "
                                  f"{tuple(vec.shape)}, expected ({self.cfg.hidden_size},)")
             seq.input_embeds[int(pos)] = vec.detach().to("cpu")
+        if session_id:
+            seq.session_id = session_id
+            seq.resume = self.sessions.take(session_id, ids)
+            if seq.resume is not None:
+                seq.num_computed_tokens = seq.num_cached_tokens = len(seq.resume.tokens)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -187,14 +205,20 @@ class LLMEngine:
         per request."""
         merged: dict[str, RequestOutput] = {}
         alive = list(enumerate(batch))
-        for row in tokens:
+        for j, row in enumerate(tokens):
+            if j < len(tokens) - 1:  # a sequence that stops here had later steps run too
+                for _, it in alive:
+                    it.seq.state_exact = False
             outs = self._postprocess([ScheduledSeq(it.seq, 1) for _, it in alive],
                                      [row[i] for i, _ in alive])
+            for _, it in alive:
+                it.seq.state_exact = True
             for o in outs:
                 prev = merged.get(o.request_id)
                 merged[o.request_id] = o if prev is None else RequestOutput(
                     o.request_id, prev.new_token_ids + o.new_token_ids, o.finished,
-                    o.finish_reason, o.num_prompt_tokens, o.num_output_tokens)
+                    o.finish_reason, o.num_prompt_tokens, o.num_output_tokens,
+                    o.num_cached_tokens)
             alive = [(i, it) for i, it in alive if not merged[it.seq.request_id].finished]
             if not alive:
                 break
@@ -221,11 +245,24 @@ class LLMEngine:
                 new = new[:-1]
             seq.num_emitted += len(new)
             if reason is not None:
+                self._park(seq)
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
             outs.append(RequestOutput(seq.request_id, new, reason is not None, reason,
-                                      seq.num_prompt_tokens, seq.num_output_tokens))
+                                      seq.num_prompt_tokens, seq.num_output_tokens,
+                                      seq.num_cached_tokens))
         return outs
+
+    def _park(self, seq: Sequence) -> None:
+        """A finished session request's state to host memory, under its session id. Its
+        last sampled token never ran through the model: the state covers the tokens before."""
+        if not seq.session_id or not seq.state_exact or not self.sessions.capacity_bytes:
+            return
+        n = seq.num_computed_tokens
+        if not self.sessions.fits(self.runner.session_nbytes(self.block_manager.blocks_for(n))):
+            self.sessions.drop(seq.session_id)
+            return
+        self.sessions.put(seq.session_id, self.runner.save_session(seq, n))
 
     def close(self) -> None:
         """Stops the tensor-parallel workers (a no-op on one device); also runs at exit."""
@@ -240,4 +277,5 @@ class LLMEngine:
             "num_slots_free": self.slots.num_free,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            **self.sessions.stats(),
         }

@@ -51,7 +51,7 @@ class LLM:
                  block_size: int = 16, gpu_gib: float | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
                  tensor_parallel_size: int = 1, decode_steps: int = 1,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", session_gib: float = 4.0):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
@@ -59,7 +59,9 @@ class LLM:
         decode_steps K > 1: decode-only steps produce up to K tokens per engine step
         (EngineConfig.decode_steps).
         kv_cache_dtype: "auto" (the model dtype), "bf16" or "fp8" (e4m3: about twice the KV
-        tokens in a GPU budget; EngineConfig.kv_cache_dtype)."""
+        tokens in a GPU budget; EngineConfig.kv_cache_dtype).
+        session_gib: host memory for parked sessions (add_request's session_id;
+        volundr.session)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -82,7 +84,8 @@ class LLM:
                             max_model_len=self.max_model_len, block_size=block_size,
                             num_kv_blocks=num_kv_blocks, seed=seed,
                             tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib,
-                            decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype)
+                            decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype,
+                            session_gib=session_gib)
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
         del state_dict
 
@@ -107,9 +110,12 @@ class LLM:
     # ---- request level (one thread drives these) ----------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
-                    input_embeds: dict[int, torch.Tensor] | None = None) -> str:
-        """input_embeds: prompt position -> [hidden] vector replacing that token's embedding."""
-        return self.engine.add_request(prompt_token_ids, params, request_id, input_embeds)
+                    input_embeds: dict[int, torch.Tensor] | None = None,
+                    session_id: str | None = None) -> str:
+        """input_embeds: prompt position -> [hidden] vector replacing that token's embedding;
+        session_id: resume / park the session's state (LLMEngine.add_request)."""
+        return self.engine.add_request(prompt_token_ids, params, request_id, input_embeds,
+                                       session_id)
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()

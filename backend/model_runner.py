@@ -20,6 +20,7 @@ from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
 from volundr.sampler import Sampler
 from volundr.scheduler import ScheduledSeq
+from volundr.session import ParkedSession
 
 
 def _expandable_segments() -> None:
@@ -99,6 +100,7 @@ class ModelRunner:
                     local_kv_heads(cfg.num_key_value_heads, self.tp.size), cfg.head_dim)
         k, kda_heads = cfg.kda, cfg.kda.num_heads // self.tp.size  # this rank's heads
         self.states: list[torch.Tensor] = []  # every per-slot tensor, zeroed on admission
+        self.kv_caches: list[torch.Tensor] = []  # every attention K and V cache
         for layer in self.model.model.layers:
             if layer.engram is not None:
                 layer.engram.conv_state = torch.zeros(
@@ -107,6 +109,7 @@ class ModelRunner:
             if hasattr(layer, "self_attn"):
                 layer.self_attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
                 layer.self_attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
+                self.kv_caches += [layer.self_attn.k_cache, layer.self_attn.v_cache]
             else:
                 layer.kda.state = torch.zeros(n, kda_heads, k.head_dim, k.head_dim,
                                               device=dev, dtype=torch.float32)
@@ -117,6 +120,53 @@ class ModelRunner:
             attn = self.model.mtp.layer.self_attn
             attn.k_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
             attn.v_cache = torch.zeros(kv_shape, device=dev, dtype=self.kv_dtype)
+            self.kv_caches += [attn.k_cache, attn.v_cache]
+
+    # ---- sessions (volundr.session) -----------------------------------------------------
+    def session_nbytes(self, num_blocks: int) -> int:
+        """Host bytes of a parked state whose KV spans num_blocks blocks."""
+        return (sum(t[0].numel() * t.element_size() for t in self.states)
+                + num_blocks * sum(c[0].numel() * c.element_size() for c in self.kv_caches))
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t.clone()
+        # pinned and asynchronous: later kernels that reuse the slot or the blocks are ordered
+        # after the copy on the stream, and only a restore (also on the stream) reads it
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return h.copy_(t, non_blocking=True)
+
+    def save_session(self, seq, num_tokens: int) -> ParkedSession:
+        """The state of seq's slot and the KV of its blocks covering num_tokens positions,
+        copied to host memory (before the scheduler frees them)."""
+        nb = (num_tokens + self.block_size - 1) // self.block_size
+        idx = torch.tensor(seq.block_table[:nb], device=self.device)
+        return ParkedSession(tokens=seq.token_ids[:num_tokens],
+                             states=[self._to_host(t[seq.slot]) for t in self.states],
+                             kv=[self._to_host(c[idx]) for c in self.kv_caches])
+
+    def _restore(self, seq) -> None:
+        """A resumed session's parked state into its slot and first blocks."""
+        parked, seq.resume = seq.resume, None
+        for t, h in zip(self.states, parked.states):
+            t[seq.slot].copy_(h, non_blocking=True)
+        idx = torch.tensor(seq.block_table[:parked.kv[0].shape[0]] if parked.kv else [],
+                           device=self.device)
+        for c, h in zip(self.kv_caches, parked.kv):
+            c[idx] = h.to(self.device, non_blocking=True)
+
+    def _init_states(self, batch: list[ScheduledSeq]) -> None:
+        """Slots of sequences that start this step: zeroed, or a resumed session's state."""
+        fresh = []
+        for item in batch:
+            if item.seq.resume is not None:
+                self._restore(item.seq)
+            elif item.seq.num_computed_tokens == 0:
+                fresh.append(item.seq.slot)
+        if fresh:
+            idx = torch.tensor(fresh, device=self.device)
+            for t in self.states:
+                t[idx] = 0
 
     # ---- schedule -> tensors ------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]) -> ForwardBatch:
@@ -187,6 +237,7 @@ class ModelRunner:
         fed on the device (the n-gram window shifts, positions advance), so the host enqueues
         all steps (graph replays when captured) and syncs once. Returns token ids
         [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine."""
+        self._init_states(batch)  # (a one-token prompt may start in a decode-only batch)
         b = self.prepare(batch)
         n, bs = len(batch), self.block_size
         seqs = [item.seq for item in batch]
@@ -215,11 +266,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         """One forward over the batch; returns a sampled token for each item that samples."""
-        fresh = [item.seq.slot for item in batch if item.seq.num_computed_tokens == 0]
-        if fresh:
-            idx = torch.tensor(fresh, device=self.device)
-            for t in self.states:
-                t[idx] = 0
+        self._init_states(batch)
         b = self.prepare(batch)
         sampling = [item.seq for item in batch if item.samples]
         if self.graphs is not None and self.graphs.can_run(b):

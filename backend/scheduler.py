@@ -72,12 +72,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_pending_tokens, budget)
-            if self.slots.num_free == 0 or not self.bm.can_grow(seq, n):
+            # (a resumed session starts with num_computed_tokens > 0: blocks for those too)
+            if (self.slots.num_free == 0
+                    or not self.bm.can_grow(seq, seq.num_computed_tokens + n)):
                 break
             self.waiting.popleft()
             seq.slot = self.slots.allocate()
             seq.status = SequenceStatus.RUNNING
-            self.bm.grow(seq, n)
+            self.bm.grow(seq, seq.num_computed_tokens + n)
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n

@@ -37,6 +37,14 @@ class Sequence:
         # Precomputed input embeddings (e.g. image patches): prompt position -> [hidden] vector,
         # used instead of the token's embedding row.
         self.input_embeds: dict[int, torch.Tensor] = {}
+        # Sessions (volundr.session): the id this request parks its state under when it ends;
+        # a parked state to restore at admission (tokens [0, num_computed_tokens) come from
+        # it: num_cached_tokens of them); whether the slot's state is exactly that of
+        # token_ids[:num_computed_tokens] (multi-step decode may run past a stop).
+        self.session_id: str | None = None
+        self.resume = None  # volundr.session.ParkedSession
+        self.num_cached_tokens = 0
+        self.state_exact = True
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +76,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.slot = None
+        self.resume = None  # its parked state (if any) was not restored: recompute it too
+        self.num_cached_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

@@ -192,8 +192,10 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         fields = _tensors(req)
         renders = share_id([make_render(i) for i in range(req.n)])
         rid = f"{renders[0].id_prefix}-{uuid.uuid4().hex}"
+        session = req.session_id()
         fan = FanOut([triton().stream(  # n requests at once: the engine batches them
-            VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i)}),
+            VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i),
+                                    "session_id": session if i == 0 else None}),
             request_id=f"{rid}-{i}") for i in range(req.n)])
         if not req.stream:
             return JSONResponse(await _collect(request, fan, renders))

@@ -34,9 +34,13 @@ TOOL_OPEN = "<tool_call>"
 
 
 def _usage(last: Delta | None) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens a session's
+    parked state supplied (the rest ran through the model)."""
     n_in = last.num_input_tokens if last else 0
     n_out = last.num_output_tokens if last else 0
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    cached = last.num_cached_tokens if last else 0
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _summed(usages: list[dict]) -> dict:
@@ -44,7 +48,9 @@ def _summed(usages: list[dict]) -> dict:
     OpenAI reports n > 1), completion tokens summed over the choices."""
     n_in = max(u["prompt_tokens"] for u in usages)
     n_out = sum(u["completion_tokens"] for u in usages)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    cached = max(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def total_usage(lasts: list[Delta | None]) -> dict:

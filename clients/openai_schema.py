@@ -102,6 +102,19 @@ class _Common(BaseModel):
         if len(stops) > 16:
             raise APIError(400, "at most 16 stop strings are supported", param="stop")
         self.limit()
+        self.session_id()
+
+    def session_id(self) -> str | None:
+        """The `session_id` extension (extra_body in the OpenAI SDK): an agent's turns under
+        one id resume the engine's state of the turn before instead of re-reading the history
+        (volundr.session). With n > 1 only choice 0 continues the session."""
+        v = (self.model_extra or {}).get("session_id")
+        if v is None:
+            return None
+        if not isinstance(v, str) or not 1 <= len(v) <= 256:
+            raise APIError(400, "session_id must be a string of 1 to 256 characters",
+                           param="session_id")
+        return v
 
     def stops(self) -> list[str] | None:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

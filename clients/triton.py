@@ -51,6 +51,7 @@ class Delta:
     num_input_tokens: int
     num_output_tokens: int
     final: bool
+    num_cached_tokens: int = 0  # prompt tokens resumed from the session's parked state
 
 
 def make_input(name: str, value) -> InferInput:
@@ -166,7 +167,8 @@ class VolundrTriton:
                 yield Delta(text.decode("utf-8") if isinstance(text, bytes) else str(text),
                             reason.decode() if isinstance(reason, bytes) else str(reason),
                             int(_scalar(result, "num_input_tokens")),
-                            int(_scalar(result, "num_output_tokens")), final)
+                            int(_scalar(result, "num_output_tokens")), final,
+                            int(_scalar(result, "num_cached_tokens")))
                 if final:
                     return
         finally:

@@ -184,7 +184,8 @@ def test_chat_n_whole_and_streamed(post, seed):
     assert whole["choices"][2]["finish_reason"] == "length"
     n_out = [len(deltas(t, 2 + i, r)) for i, (t, r) in enumerate(TEXTS)]
     assert whole["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": sum(n_out),
-                              "total_tokens": PROMPT_TOKENS + sum(n_out)}
+                              "total_tokens": PROMPT_TOKENS + sum(n_out),
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     # n requests, distinct ids, choice i seeded with seed + i (or all random)
     ids = [rid for rid, _ in FakeTriton.calls]
     assert len(set(ids)) == 3 and all(rid.startswith("chatcmpl-") for rid in ids)

@@ -124,9 +124,10 @@ def test_flags_override_the_profile(tiny_dir):
         PROFILES["cpu"].decode_steps
 
 
-def test_kv_cache_dtype_flag_reaches_the_engine(tiny_dir, tmp_path):
-    """--kv-cache-dtype -> profile -> volundr_llm's filled config.pbtxt -> the LLM that its
-    initialize() builds (the JSON model config Triton hands it) -> EngineConfig and caches."""
+def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
+    """--kv-cache-dtype (and --session-gib) -> profile -> volundr_llm's filled config.pbtxt ->
+    the LLM that its initialize() builds (the JSON model config Triton hands it) ->
+    EngineConfig and caches."""
     from google.protobuf import json_format
 
     from volundr.llm import LLM
@@ -136,7 +137,7 @@ def test_kv_cache_dtype_flag_reaches_the_engine(tiny_dir, tmp_path):
 
     def engine_kwargs(*flags: str) -> dict:
         o = build_options(parse_args(["--model", str(tiny_dir), *flags]))
-        out = write_runtime_repository(tmp_path / f"repo{len(flags)}",
+        out = write_runtime_repository(tmp_path / f"repo{len(list(tmp_path.iterdir()))}",
                                        {"volundr_llm": llm_parameters(o)})
         cfg = json_format.MessageToDict(parse(out / "volundr_llm" / "config.pbtxt"),
                                         preserving_proto_field_name=True)
@@ -153,6 +154,12 @@ def test_kv_cache_dtype_flag_reaches_the_engine(tiny_dir, tmp_path):
         assert attn.k_cache.dtype == attn.v_cache.dtype == torch.float8_e4m3fn
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-dtype", "fp16"])
+    # --session-gib: host memory for parked sessions, the same way
+    assert engine_kwargs()["session_gib"] == 4.0
+    kw = engine_kwargs("--session-gib", "0.25")
+    assert kw["session_gib"] == 0.25
+    with LLM(tiny_dir, **kw) as llm:
+        assert llm.engine.sessions.capacity_bytes == 2**28
 
 
 @pytest.mark.server

@@ -130,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"),
                     help="attention KV cache: auto (the model dtype), bf16, or fp8 (e4m3: about "
                     "twice the KV tokens in the GPU budget); overrides the profile's")
+    ap.add_argument("--session-gib", type=float,
+                    help="host memory for parked sessions (requests with a session_id resume "
+                    "from their state; 0: off), overrides the profile's")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -162,6 +165,8 @@ def build_options(args: argparse.Namespace):
         changes["decode_steps"] = args.decode_steps
     if args.kv_cache_dtype is not None:
         changes["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.session_gib is not None:
+        changes["session_gib"] = args.session_gib
     changes["tensor_parallel_size"] = args.tp
     changes["max_model_len"] = context_len(model_dir, args.max_model_len or p.max_model_len)
     profile = dataclasses.replace(p, **changes)

@@ -25,6 +25,7 @@ class LLMRequest:
     params: SamplingParams
     stops: tuple[str, ...]
     stream: bool
+    session_id: str | None = None  # park / resume the engine state under it (volundr.session)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,10 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
     except ValueError as e:
         raise _bad(str(e)) from None
     stream = bool(_opt(_scalar(get, "stream"), False))
-    return LLMRequest(prompt, params, stops, stream)
+    session = _strings(get("session_id"), "session_id")
+    if len(session) > 1 or any(len(s) > 256 for s in session):
+        raise _bad("session_id must be one string of at most 256 characters")
+    return LLMRequest(prompt, params, stops, stream, session[0] if session else None)
 
 
 def _opt(v, default):

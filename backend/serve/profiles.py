@@ -31,6 +31,9 @@ class Profile:
     decode_steps: int = 1
     # attention KV cache: auto (the model dtype), bf16, fp8 (EngineConfig.kv_cache_dtype)
     kv_cache_dtype: str = "auto"
+    # host memory for parked sessions (EngineConfig.session_gib): an agent's session waiting
+    # on a tool keeps its state here, not on the GPU
+    session_gib: float = 4.0
 
 
 PROFILES: dict[str, Profile] = {

@@ -54,6 +54,7 @@ def llm_parameters(o: StackOptions) -> dict[str, str]:
             "tensor_parallel_size": str(p.tensor_parallel_size),
             "decode_steps": str(p.decode_steps),
             "kv_cache_dtype": p.kv_cache_dtype,
+            "session_gib": f"{p.session_gib:g}",
             "max_inflight": str(p.max_inflight),
             "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
 

@@ -37,7 +37,8 @@ def llm_kwargs(params: dict[str, str]) -> dict:
                 gpu_gib=float(gpu_gib) if gpu_gib else None,
                 tensor_parallel_size=int(params.get("tensor_parallel_size") or 1),
                 decode_steps=int(params.get("decode_steps") or 1),
-                kv_cache_dtype=params.get("kv_cache_dtype") or "auto")
+                kv_cache_dtype=params.get("kv_cache_dtype") or "auto",
+                session_gib=float(params.get("session_gib") or 4.0))
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Chunk:
     finish_reason: str  # "" while streaming, then "stop" | "length" | "abort"
     num_input_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens resumed from the session's parked state
 
 
 class Sink(Protocol):
@@ -67,6 +69,7 @@ class RequestStream:
         self.sent = 0  # ids[:sent] are emitted (or, when not streaming, accepted)
         self.starts = [0]  # clean boundaries at or before `sent`, for prefix_ids
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
     def _prefix(self) -> list[int]:
         while len(self.starts) > 1 and self.starts[1] <= self.sent - PREFIX_MIN:
@@ -74,11 +77,13 @@ class RequestStream:
         return self.ids[self.starts[0]:self.sent]
 
     def push(self, new_ids: Sequence[int], finish_reason: str | None,
-             num_output_tokens: int | None = None) -> Chunk | None:
+             num_output_tokens: int | None = None, num_cached_tokens: int = 0
+             ) -> Chunk | None:
         """Add the engine's new ids; returns a chunk to send, or None. A returned chunk with a
         finish_reason is the last one (a stop string sets reason "stop" itself)."""
         self.ids.extend(int(t) for t in new_ids)
         self.num_output_tokens = num_output_tokens or len(self.ids)
+        self.num_cached_tokens = num_cached_tokens or self.num_cached_tokens
         pending = self.ids[self.sent:]
         prefix = self._prefix()
         trim, reason = 0, finish_reason
@@ -99,7 +104,7 @@ class RequestStream:
             prefix, pending = [], self.ids
         self._advance()
         return Chunk(pending, prefix, trim, reason or "", self.num_input_tokens,
-                     self.num_output_tokens)
+                     self.num_output_tokens, self.num_cached_tokens)
 
     def _advance(self) -> None:
         self.sent = len(self.ids)
@@ -143,8 +148,10 @@ class EngineLoop:
 
     # ---- commands (any thread) -------------------------------------------------------------
     def submit(self, triton_id: str, prompt_ids: list[int], params: SamplingParams,
-               stops: Sequence[str], stream: bool, sink: Sink) -> None:
-        self._q.put(("add", triton_id, prompt_ids, params, tuple(stops), stream, sink))
+               stops: Sequence[str], stream: bool, sink: Sink,
+               session_id: str | None = None) -> None:
+        self._q.put(("add", triton_id, prompt_ids, params, tuple(stops), stream, sink,
+                     session_id))
 
     def abort(self, triton_id: str, reply: Callable[[dict], None]) -> None:
         """Abort every running request with this Triton request id; reply with the stats after."""
@@ -164,7 +171,7 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, tid, prompt_ids, params, stops, stream, sink = cmd
+            _, tid, prompt_ids, params, stops, stream, sink, session_id = cmd
             if tid and self._tombstones.pop(tid, None) is not None:
                 rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
                 self._send(_Active(tid, rs, sink), rs.push([], "abort"), final=True)
@@ -175,7 +182,8 @@ class EngineLoop:
                 return
             rid = uuid.uuid4().hex
             try:
-                self.llm.add_request(prompt_ids, params, request_id=rid)
+                self.llm.add_request(prompt_ids, params, request_id=rid,
+                                     session_id=session_id)
             except ValueError as e:
                 msg = str(e)
                 prefix = "prompt too long" if "context" in msg else "invalid request"
@@ -221,7 +229,7 @@ class EngineLoop:
             if a is None:
                 continue
             chunk = a.stream.push(out.new_token_ids, out.finish_reason if out.finished else None,
-                                  out.num_output_tokens)
+                                  out.num_output_tokens, out.num_cached_tokens)
             done = out.finished or (chunk is not None and chunk.finish_reason != "")
             if done and not out.finished:
                 self.llm.abort(out.request_id)  # a stop string: free the sequence now

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from volundr.serve.detok import text_delta
 from volundr.serve.repo import model_parameters, resolve_model_dir
 
-PASS = ("finish_reason", "num_input_tokens", "num_output_tokens")
+PASS = ("finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
 
 
 class TritonPythonModel:

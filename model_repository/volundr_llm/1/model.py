@@ -42,6 +42,7 @@ class _Sender:
             pb_utils.Tensor("finish_reason", _one(chunk.finish_reason.encode(), object)),
             pb_utils.Tensor("num_input_tokens", _one(chunk.num_input_tokens, np.int32)),
             pb_utils.Tensor("num_output_tokens", _one(chunk.num_output_tokens, np.int32)),
+            pb_utils.Tensor("num_cached_tokens", _one(chunk.num_cached_tokens, np.int32)),
         ]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                          flags=FINAL if final else 0)
@@ -95,7 +96,7 @@ class TritonPythonModel:
                 sender.error(str(e))
                 continue
             self.loop.submit(request.request_id(), req.prompt_ids, req.params, req.stops,
-                             req.stream, sender)
+                             req.stream, sender, req.session_id)
         return None
 
     def finalize(self) -> None:

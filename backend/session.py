@@ -1,0 +1,97 @@
+"""Parked sessions: a finished request's model state kept in host memory, resumed by its next turn.
+
+An agent's turns share their history: turn n + 1's prompt is turn n's prompt and output plus the
+tool result or the user's reply. A request with a `session_id` that finishes is parked: its
+recurrent state (KDA state, conv and Engram tails: one fixed-size slot) and the attention KV of
+its computed tokens are copied to host memory (pinned on CUDA), and its GPU blocks and slot are
+freed at once, so a session waiting on a tool holds no GPU memory. When the session's next
+request arrives and its prompt starts with the parked tokens, the engine copies the state back
+into a slot and the KV into fresh blocks, and prefills only the new tokens. Any other prompt
+drops the parked state (KDA's state cannot be rewound to a shorter prefix) and runs from
+scratch.
+
+The store keeps at most `capacity_bytes` of host memory, evicting the least recently parked
+session first. Bookkeeping here is plain Python; the runner does the copies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ParkedSession:
+    """tokens: the ids whose effect the state holds (tokens[i] at position i); states: one host
+    tensor per runner state tensor (that tensor's row of the slot); kv: per attention cache
+    (runner order), the rows of the blocks that cover `tokens`, [blocks, block_size, KVH, D]."""
+
+    tokens: list[int]
+    states: list[torch.Tensor]
+    kv: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.states + self.kv)
+
+
+class SessionStore:
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError("the session store's capacity must be >= 0 bytes")
+        self.capacity_bytes = capacity_bytes
+        self._parked: OrderedDict[str, ParkedSession] = OrderedDict()  # oldest first
+        self.nbytes = 0
+        self.num_resumed = 0  # requests that started from a parked state
+        self.num_evicted = 0  # parked states dropped for room
+        self.num_mismatched = 0  # parked states dropped because the next prompt diverged
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._parked
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.capacity_bytes
+
+    def put(self, session_id: str, parked: ParkedSession) -> None:
+        """Park (replacing the session's earlier state), evicting the oldest others for room;
+        a state larger than the whole store is not kept."""
+        self.drop(session_id)
+        if not self.fits(parked.nbytes):
+            return
+        while self.nbytes + parked.nbytes > self.capacity_bytes:
+            _, old = self._parked.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.num_evicted += 1
+        self._parked[session_id] = parked
+        self.nbytes += parked.nbytes
+
+    def take(self, session_id: str, prompt: list[int]) -> ParkedSession | None:
+        """The session's parked state if `prompt` extends its tokens by at least one token (it
+        leaves the store: the request now owns it); else None, and a parked state that the
+        prompt contradicts is dropped."""
+        parked = self._parked.get(session_id)
+        if parked is None:
+            return None
+        n = len(parked.tokens)
+        self.drop(session_id)
+        if len(prompt) > n and prompt[:n] == parked.tokens:
+            self.num_resumed += 1
+            return parked
+        self.num_mismatched += 1
+        return None
+
+    def drop(self, session_id: str) -> bool:
+        parked = self._parked.pop(session_id, None)
+        if parked is not None:
+            self.nbytes -= parked.nbytes
+        return parked is not None
+
+    def stats(self) -> dict[str, int]:
+        return {"sessions_parked": len(self._parked), "sessions_host_bytes": self.nbytes,
+                "sessions_resumed": self.num_resumed, "sessions_evicted": self.num_evicted,
+                "sessions_mismatched": self.num_mismatched}

@@ -1,0 +1,174 @@
+"""Sessions (volundr.session): a finished request's state parked in host memory and resumed by
+the session's next turn, on the tiny Volundr (random weights): the resumed turn equals the same
+prompt run from scratch, runs only its new tokens, and the parked session holds no blocks or
+slot; prompts that diverge, multi-step decode past a stop, and the store's byte cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from volundr.converter.presets import get_config, random_state_dict
+from volundr.engine import EngineConfig, LLMEngine
+from volundr.sampling_params import SamplingParams
+from volundr.session import ParkedSession, SessionStore
+
+EOS = (2, 0)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
+    return cfg, random_state_dict(cfg, "cpu", dtype=torch.float32, seed=3)
+
+
+def make_engine(tiny, device="cpu", **kw) -> LLMEngine:
+    cfg, sd = tiny
+    args = dict(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+                max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=80)
+    args.update(kw)
+    return LLMEngine(cfg, {n: t.to(device) for n, t in sd.items()}, EngineConfig(**args), EOS)
+
+
+class _Count:
+    """Wraps runner.run: counts the prompt tokens each request ran through the model."""
+
+    def __init__(self, engine: LLMEngine):
+        self.run, self.tokens = engine.runner.run, {}
+        engine.runner.run = self
+
+    def __call__(self, batch):
+        for item in batch:
+            s = item.seq
+            n = max(0, min(item.num_new_tokens, s.num_prompt_tokens - s.num_computed_tokens))
+            self.tokens[s.request_id] = self.tokens.get(s.request_id, 0) + n
+        return self.run(batch)
+
+
+def run(engine: LLMEngine, reqs) -> dict[str, tuple[list[int], int]]:
+    """reqs [(id, prompt, params, session)] added together; id -> (ids, num_cached_tokens)."""
+    out = {rid: ([], 0) for rid, *_ in reqs}
+    for rid, prompt, params, session in reqs:
+        engine.add_request(prompt, params, rid, session_id=session)
+    while engine.has_unfinished():
+        for o in engine.step():
+            ids, _ = out[o.request_id]
+            out[o.request_id] = (ids + o.new_token_ids, o.num_cached_tokens)
+    return out
+
+
+def test_store_take_put_evict():
+    def parked(tokens, nbytes):
+        return ParkedSession(tokens, [torch.zeros(nbytes, dtype=torch.uint8)])
+
+    store = SessionStore(100)
+    store.put("a", parked([1, 2, 3], 40))
+    store.put("b", parked([7], 40))
+    assert store.take("a", [1, 2, 3]) is None  # nothing new to run: not resumable, dropped
+    assert "a" not in store and store.num_mismatched == 1
+    store.put("a", parked([1, 2, 3], 40))
+    assert store.take("a", [1, 2, 4, 5]) is None and "a" not in store  # diverged: dropped
+    store.put("a", parked([1, 2, 3], 40))
+    got = store.take("a", [1, 2, 3, 9])
+    assert got is not None and got.tokens == [1, 2, 3] and "a" not in store
+    assert store.num_resumed == 1 and store.nbytes == 40  # b stays
+    store.put("c", parked([5], 40))
+    store.put("d", parked([6], 40))  # 120 > 100: the oldest (b) goes
+    assert "b" not in store and {"c", "d"} <= {k for k in ("b", "c", "d") if k in store}
+    assert store.num_evicted == 1 and store.nbytes == 80
+    store.put("e", parked([8], 101))  # larger than the store: not kept
+    assert "e" not in store and store.nbytes == 80
+    store.put("c", parked([5, 6], 10))  # replaces c's state
+    assert store.nbytes == 50 and len(store) == 2
+    with pytest.raises(ValueError):
+        SessionStore(-1)
+
+
+def _turns(engine: LLMEngine, first: list[int], extra: list[int]):
+    """Turn 1 of session s, then turn 2 = turn 1's prompt + output + extra."""
+    (ids1, cached1), = run(engine, [("t1", first, GREEDY, "s")]).values()
+    st = engine.stats()
+    assert cached1 == 0 and st["sessions_parked"] == 1
+    # parked: no GPU blocks, no state slot held
+    assert st["num_blocks_free"] == st["num_blocks_total"]
+    assert st["num_slots_free"] == st["num_slots_total"]
+    second = first + ids1 + extra
+    return second, run(engine, [("t2", second, GREEDY, "s")])["t2"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_resumed_turn_equals_a_fresh_run_and_runs_only_new_tokens(tiny, device):
+    first, extra = list(range(5, 45)), [11, 12, 13, 14, 15]
+    engine = make_engine(tiny, device)
+    count = _Count(engine)
+    second, (ids2, cached2) = _turns(engine, first, extra)
+    # the state covers turn 1's prompt and every output token but the last (never fed)
+    assert cached2 == len(first) + GREEDY.max_tokens - 1
+    assert count.tokens["t2"] == len(second) - cached2
+    assert count.tokens["t1"] == len(first)
+    fresh = run(make_engine(tiny, device), [("f", second, GREEDY, None)])["f"][0]
+    assert ids2 == fresh and len(ids2) == GREEDY.max_tokens
+    assert engine.stats()["sessions_resumed"] == 1
+    assert engine.stats()["sessions_parked"] == 1  # turn 2 parked in its place
+
+
+def test_resume_beside_other_requests_and_chunked(tiny):
+    """A resumed prefill longer than a step's token budget, batched with a fresh request and a
+    decoding one: every output equals its run alone."""
+    first, extra = list(range(3, 90)), list(range(100, 190))  # 90 new tokens > 64 per step
+    engine = make_engine(tiny)
+    (ids1, _), = run(engine, [("t1", first, GREEDY, "s")]).values()
+    second, other = first + ids1 + extra, list(range(200, 230))
+    out = run(engine, [("t2", second, GREEDY, "s"), ("o", other, GREEDY, None)])
+    assert out["t2"][1] == len(first) + GREEDY.max_tokens - 1
+    alone = make_engine(tiny)
+    assert out["t2"][0] == run(alone, [("a", second, GREEDY, None)])["a"][0]
+    assert out["o"][0] == run(alone, [("b", other, GREEDY, None)])["b"][0]
+
+
+def test_diverging_prompt_runs_from_scratch(tiny):
+    engine = make_engine(tiny)
+    run(engine, [("t1", list(range(5, 25)), GREEDY, "s")])
+    other = list(range(6, 40))  # not an extension of turn 1
+    ids, cached = run(engine, [("t2", other, GREEDY, "s")])["t2"]
+    assert cached == 0 and engine.stats()["sessions_mismatched"] == 1
+    assert ids == run(make_engine(tiny), [("f", other, GREEDY, None)])["f"][0]
+
+
+def test_multi_step_decode_parks_only_an_exact_state(tiny):
+    """decode_steps 4: a request that stops inside a multi-step run had tokens after its stop
+    run into its state, so it is not parked; one that ends on a run's last step is."""
+    prompt = list(range(5, 30))
+    ref = run(make_engine(tiny), [("r", prompt, GREEDY, None)])["r"][0]
+    # steps: the prefill samples ref[0], then runs of 4 produce ref[1:5] and ref[5:8]
+    engine = make_engine(tiny, decode_steps=4)
+    assert ref[2] not in ref[:2]
+    mid = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                         stop_token_ids=(ref[2],))  # stops at ref[2], inside the run of 4
+    run(engine, [("a", prompt, mid, "mid")])
+    end = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # ends at ref[4]
+    run(engine, [("b", prompt, end, "end")])
+    assert "mid" not in engine.sessions and "end" in engine.sessions
+    second = prompt + ref[:5] + [40, 41]
+    ids, cached = run(engine, [("c", second, GREEDY, "end")])["c"]
+    assert cached == len(prompt) + 4
+    assert ids == run(make_engine(tiny), [("f", second, GREEDY, None)])["f"][0]
+
+
+def test_store_cap_aborts_and_no_session(tiny):
+    engine = make_engine(tiny, session_gib=1e-6)  # ~1 KiB: no tiny state fits
+    run(engine, [("t1", list(range(5, 25)), GREEDY, "s")])
+    assert len(engine.sessions) == 0
+    engine = make_engine(tiny, session_gib=0)
+    run(engine, [("t1", list(range(5, 25)), GREEDY, "s")])
+    assert len(engine.sessions) == 0
+    engine = make_engine(tiny)
+    engine.add_request(list(range(5, 25)), GREEDY, "t1", session_id="s")
+    engine.step()
+    engine.abort("t1")  # an aborted request is not parked
+    run(engine, [("t2", list(range(5, 25)), GREEDY, None)])  # no session id: not parked
+    assert len(engine.sessions) == 0
+    with pytest.raises(ValueError):
+        make_engine(tiny, session_gib=-1)
