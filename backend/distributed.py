@@ -74,6 +74,7 @@ class _SeqView:
     num_tokens: int
     token_ids: _Window
     input_embeds: dict  # position -> [hidden] vector, only those this step reads
+    resume: None = None  # no sessions with tensor parallelism (LLMEngine: store of 0 bytes)
 
 
 def make_plan(batch: list[ScheduledSeq], max_order: int) -> list[tuple]:

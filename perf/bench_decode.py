@@ -38,6 +38,9 @@ no graph_ms: rank 0's graph alone would wait for the other ranks' collectives), 
 memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs).
 +fp8kv: the attention KV cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv.
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
+--session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
+(volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536
+--session-lens 8192,54000 for the product page's 54K-token turn.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -117,6 +120,43 @@ def time_to_first_token(engine: LLMEngine, prompt_len: int) -> dict:
     dt = time.perf_counter() - t
     return {"prompt_len": prompt_len, "ttft_s": dt, "prefill_tok_per_s": prompt_len / dt,
             "steps": steps}
+
+
+def _first_token_s(engine: LLMEngine, ids: list[int], rid: str,
+                   session: str | None = None) -> tuple[float, int]:
+    """(seconds to the first token, prompt tokens resumed from a parked session)."""
+    engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), rid,
+                       session_id=session)
+    sync()
+    t, cached = time.perf_counter(), 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            cached = max(cached, o.num_cached_tokens)
+    sync()
+    return time.perf_counter() - t, cached
+
+
+def session_turn(engine: LLMEngine, prompt_len: int, new_tokens: int = 64) -> dict:
+    """An agent's next turn: turn 1 (prompt_len random tokens, 16 generated) ends and parks
+    under a session id; turn 2 = turn 1 + its output + new_tokens. Seconds to turn 2's first
+    token from scratch (no session id) and resumed from the parked state."""
+    g = torch.Generator().manual_seed(prompt_len + 7)
+    ids = torch.randint(16, engine.cfg.vocab_size, (prompt_len,), generator=g).tolist()
+    sid = f"bench-{prompt_len}"
+    engine.add_request(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                       f"{sid}-1", session_id=sid)
+    out: list[int] = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    sync()
+    parked = engine.sessions.stats()["sessions_host_bytes"]
+    turn2 = ids + out + torch.randint(16, engine.cfg.vocab_size, (new_tokens,),
+                                      generator=g).tolist()
+    scratch_s, _ = _first_token_s(engine, turn2, f"{sid}-scratch")
+    resumed_s, cached = _first_token_s(engine, turn2, f"{sid}-2", sid)
+    return {"prompt_len": prompt_len, "turn2_len": len(turn2), "cached_tokens": cached,
+            "parked_host_bytes": parked, "scratch_ttft_s": scratch_s,
+            "resumed_ttft_s": resumed_s, "speedup": scratch_s / resumed_s}
 
 
 def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> dict:
@@ -369,6 +409,9 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="",
                     help="comma-separated prompt lengths (< --max-model-len): time to first "
                     "token of each, alone")
+    ap.add_argument("--session-lens", default="",
+                    help="comma-separated turn-1 lengths: turn 2's time to first token resumed "
+                    "from the parked session against from scratch (< --max-model-len - 96)")
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="context of the engine (the decode graphs' attention splits are sized "
                     "for it: compare decode numbers at equal values)")
@@ -539,6 +582,10 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
             if lens:  # untimed: the first prefill of a length compiles its kernels (run 40)
                 time_to_first_token(engine, lens[0])
             entry["prefill"] = [time_to_first_token(engine, n) for n in lens]
+            slens = [int(n) for n in args.session_lens.split(",") if n]
+            if slens:  # untimed warm-up: both paths' kernels compile at a short length
+                session_turn(engine, min(256, slens[0]))
+            entry["session"] = [session_turn(engine, n) for n in slens]
         if cuda:
             entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
         out.append(entry)

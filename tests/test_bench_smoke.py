@@ -18,7 +18,7 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
     r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu",
                         "--out", str(out), "--variants",
                         f"{MIXED},bf16,bf16+tp2,bf16+fp8kv,bf16+nope", "--tokens", "8",
-                        "--copy-gib", "0.05", "--prefill-lens", "40"],
+                        "--copy-gib", "0.05", "--prefill-lens", "40", "--session-lens", "40"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -29,6 +29,9 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
         assert run["single"]["decode_tokens"] == 7 and run["batch16"]["decode_tokens"] == 16 * 3
         assert run["gpu_weight_GB"] > 0
         assert run["prefill"][0]["prompt_len"] == 40 and run["prefill"][0]["ttft_s"] > 0
+        s = run["session"][0]  # turn 2 resumed: turn 1's prompt and 15 of its 16 tokens
+        assert s["cached_tokens"] == (40 + 15 if run["tp"] == 1 else 0), s
+        assert s["turn2_len"] == 40 + 16 + 64 and s["resumed_ttft_s"] > 0
     mixed, bf16, tp2, fp8kv = res["runs"]
     assert (bf16["kv_cache_dtype"], fp8kv["kv_cache_dtype"]) == ("auto", "fp8")
     assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
