@@ -79,6 +79,9 @@ def test_profiles():
     assert all(PROFILES[p].max_model_len == 262144 for p in ("16gb", "24gb", "48gb"))
     assert PROFILES["cpu"].decode_steps == 1
     assert all(PROFILES[p].decode_steps == 8 for p in ("16gb", "24gb", "48gb"))
+    # the whole context inside 16 GiB needs the fp8 KV cache (the plan's pool: 292K tokens)
+    assert [PROFILES[p].kv_cache_dtype for p in ("cpu", "16gb", "24gb", "48gb")] == \
+        ["auto", "fp8", "auto", "auto"]
     assert profiles_table().count("\n") == len(PROFILES) + 1
 
 

@@ -41,8 +41,11 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile("cpu", "cpu", None, 8, 256, 2048, 16, 64,
                 "tests, CI and the tiny checkpoint on any machine"),
+        # fp8 KV: the memory plan's pool at 16 GiB holds 292K tokens (bf16: 146K), so the
+        # whole 262K context fits the budget (and long-context decode reads half the bytes)
         Profile("16gb", "cuda", 16.0, 1, 2048, 262144, 64, 8,
-                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)", decode_steps=8),
+                "16 GB GPUs: one conversation (RTX 4080, RTX 4060 Ti 16 GB)", decode_steps=8,
+                kv_cache_dtype="fp8"),
         Profile("24gb", "cuda", 23.0, 4, 4096, 262144, 64, 32,
                 "24 GB GPUs: server, 4 concurrent (RTX 3090/4090, L4, A10)", decode_steps=8),
         Profile("48gb", "cuda", 46.0, 16, 8192, 262144, 128, 256,
