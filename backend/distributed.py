@@ -311,7 +311,9 @@ class TensorParallelRunner:
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         return self._step(batch, 1)
 
-    def run_decode_steps(self, batch: list[ScheduledSeq], steps: int) -> list[list[int]]:
+    def run_decode_steps(self, batch: list[ScheduledSeq], steps: int,
+                         stop_ids: None = None) -> list[list[int]]:
+        """(stop_ids: sessions are off with tensor parallelism, so always None here)"""
         return self._step(batch, steps)
 
     def _step(self, batch: list[ScheduledSeq], steps: int):

@@ -166,7 +166,11 @@ class LLMEngine:
         steps = self._decode_steps(batch)
         try:
             if steps > 1:
-                return self._postprocess_steps(batch, self.runner.run_decode_steps(batch, steps))
+                stops = None  # a session's slot must not take in tokens after its stop
+                if self.sessions.capacity_bytes and any(it.seq.session_id for it in batch):
+                    stops = [self._stop_ids(it.seq) for it in batch]
+                return self._postprocess_steps(
+                    batch, self.runner.run_decode_steps(batch, steps, stops))
             tokens = self.runner.run(batch)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
             for rid in list(self.requests):
@@ -205,14 +209,9 @@ class LLMEngine:
         per request."""
         merged: dict[str, RequestOutput] = {}
         alive = list(enumerate(batch))
-        for j, row in enumerate(tokens):
-            if j < len(tokens) - 1:  # a sequence that stops here had later steps run too
-                for _, it in alive:
-                    it.seq.state_exact = False
+        for row in tokens:
             outs = self._postprocess([ScheduledSeq(it.seq, 1) for _, it in alive],
                                      [row[i] for i, _ in alive])
-            for _, it in alive:
-                it.seq.state_exact = True
             for o in outs:
                 prev = merged.get(o.request_id)
                 merged[o.request_id] = o if prev is None else RequestOutput(
@@ -236,7 +235,7 @@ class LLMEngine:
             p = seq.params
             reason = None
             hidden = False  # a stop or eos token ends the request without being emitted
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            if tok in self._stop_ids(seq):
                 reason, hidden = "stop", True
             elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.ecfg.max_model_len:
                 reason = "length"
@@ -253,10 +252,15 @@ class LLMEngine:
                                       seq.num_cached_tokens))
         return outs
 
+    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens that end seq (hidden: never emitted)."""
+        p = seq.params
+        return p.stop_token_ids + (() if p.ignore_eos else tuple(self.eos_token_ids))
+
     def _park(self, seq: Sequence) -> None:
         """A finished session request's state to host memory, under its session id. Its
         last sampled token never ran through the model: the state covers the tokens before."""
-        if not seq.session_id or not seq.state_exact or not self.sessions.capacity_bytes:
+        if not seq.session_id or not self.sessions.capacity_bytes:
             return
         n = seq.num_computed_tokens
         if not self.sessions.fits(self.runner.session_nbytes(self.block_manager.blocks_for(n))):

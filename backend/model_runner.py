@@ -231,15 +231,25 @@ class ModelRunner:
         return t
 
     @torch.inference_mode()
-    def run_decode_steps(self, batch: list[ScheduledSeq], steps: int) -> list[list[int]]:
+    def run_decode_steps(self, batch: list[ScheduledSeq], steps: int,
+                         stop_ids: list[tuple[int, ...]] | None = None) -> list[list[int]]:
         """`steps` decode steps of a batch of decoding sequences (one token each, KV blocks
         already grown for every position): step j's input token is step j - 1's sampled token,
         fed on the device (the n-gram window shifts, positions advance), so the host enqueues
         all steps (graph replays when captured) and syncs once. Returns token ids
-        [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine."""
+        [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine.
+        stop_ids (per sequence, its stop tokens): once a sequence samples one, its later steps
+        read and write the scratch slot, so its own slot keeps the state of exactly the tokens
+        the engine counts as computed (a session parks it)."""
         self._init_states(batch)  # (a one-token prompt may start in a decode-only batch)
         b = self.prepare(batch)
         n, bs = len(batch), self.block_size
+        if stop_ids is not None:
+            width = max(1, *(len(s) for s in stop_ids))
+            table = self._to_device([t for s in stop_ids for t in (*s, *[-1] * (width - len(s)))],
+                                    torch.long).view(n, width)
+            slots, stopped = b.slot_ids.clone(), torch.zeros(n, dtype=torch.bool,
+                                                             device=self.device)
         seqs = [item.seq for item in batch]
         p0 = [s.num_computed_tokens for s in seqs]  # position of step 0's token
         pos = [[p + j for p in p0] for j in range(1, steps)]
@@ -253,6 +263,9 @@ class ModelRunner:
                 b.context_lens = ctx[(j - 1) * n:j * n]
                 b.max_context_len += 1
                 b.ngram_ids = torch.cat([b.ngram_ids[:, 1:], toks[j - 1].unsqueeze(1)], dim=1)
+                if stop_ids is not None:
+                    stopped |= (toks[j - 1, :, None] == table).any(1)
+                    b.slot_ids = torch.where(stopped, self.num_slots, slots)  # scratch slot
             if self.graphs is not None and self.graphs.can_run(b):
                 logits = self.graphs.run(b)
             else:

@@ -39,12 +39,10 @@ class Sequence:
         self.input_embeds: dict[int, torch.Tensor] = {}
         # Sessions (volundr.session): the id this request parks its state under when it ends;
         # a parked state to restore at admission (tokens [0, num_computed_tokens) come from
-        # it: num_cached_tokens of them); whether the slot's state is exactly that of
-        # token_ids[:num_computed_tokens] (multi-step decode may run past a stop).
+        # it: num_cached_tokens of them).
         self.session_id: str | None = None
         self.resume = None  # volundr.session.ParkedSession
         self.num_cached_tokens = 0
-        self.state_exact = True
 
     @property
     def num_tokens(self) -> int:

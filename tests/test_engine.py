@@ -261,10 +261,10 @@ def check_multi_step_decode(device: str, dtype=torch.float32, tiny=None, engine_
     steps = 0
     orig = engine.runner.run_decode_steps
 
-    def counted(batch, k):
+    def counted(batch, k, stop_ids=None):
         nonlocal steps
         steps += 1
-        return orig(batch, k)
+        return orig(batch, k, stop_ids)
 
     engine.runner.run_decode_steps = counted
     got = run_all(engine, _multi_step_requests(first, ps), arrivals)
@@ -299,6 +299,6 @@ def test_multi_step_while_requests_wait_for_a_slot(tiny):
     engine = make_engine(tiny, max_num_seqs=1, decode_steps=4)
     calls = []
     orig = engine.runner.run_decode_steps
-    engine.runner.run_decode_steps = lambda b, k: calls.append(k) or orig(b, k)
+    engine.runner.run_decode_steps = lambda b, k, s=None: calls.append(k) or orig(b, k, s)
     assert run_all(engine, reqs) == ref
     assert calls and max(calls) == 4

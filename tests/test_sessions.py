@@ -1,7 +1,8 @@
 """Sessions (volundr.session): a finished request's state parked in host memory and resumed by
 the session's next turn, on the tiny Volundr (random weights): the resumed turn equals the same
 prompt run from scratch, runs only its new tokens, and the parked session holds no blocks or
-slot; prompts that diverge, multi-step decode past a stop, and the store's byte cap."""
+slot; prompts that diverge, a stop inside a multi-step decode run, and the store's byte
+cap."""
 
 from __future__ import annotations
 
@@ -137,24 +138,31 @@ def test_diverging_prompt_runs_from_scratch(tiny):
     assert ids == run(make_engine(tiny), [("f", other, GREEDY, None)])["f"][0]
 
 
-def test_multi_step_decode_parks_only_an_exact_state(tiny):
-    """decode_steps 4: a request that stops inside a multi-step run had tokens after its stop
-    run into its state, so it is not parked; one that ends on a run's last step is."""
+def test_multi_step_decode_parks_the_state_at_its_stop(tiny):
+    """decode_steps 4: a request that samples its stop token inside a run of 4 steps: its later
+    steps go to the scratch slot (ModelRunner.run_decode_steps' stop_ids), so its own slot holds
+    the state of exactly the tokens before the stop, and the next turn resumes from it."""
     prompt = list(range(5, 30))
     ref = run(make_engine(tiny), [("r", prompt, GREEDY, None)])["r"][0]
-    # steps: the prefill samples ref[0], then runs of 4 produce ref[1:5] and ref[5:8]
-    engine = make_engine(tiny, decode_steps=4)
+    # steps: the prefill samples ref[0], then a run of 4 samples ref[1:5]: ref[2] stops it
     assert ref[2] not in ref[:2]
+    engine = make_engine(tiny, decode_steps=4)
     mid = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                         stop_token_ids=(ref[2],))  # stops at ref[2], inside the run of 4
-    run(engine, [("a", prompt, mid, "mid")])
-    end = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)  # ends at ref[4]
+                         stop_token_ids=(ref[2],))
+    ids, _ = run(engine, [("a", prompt, mid, "mid")])["a"]
+    assert ids == ref[:2] and "mid" in engine.sessions
+    second = prompt + ref[:3] + [40, 41]  # the stop token comes back in the history
+    ids, cached = run(engine, [("c", second, GREEDY, "mid")])["c"]
+    assert cached == len(prompt) + 2
+    fresh = run(make_engine(tiny), [("f", second, GREEDY, None)])["f"][0]
+    assert ids == fresh
+    # and a stop on a run's last step (max_tokens 5: ref[4]) parks as well
+    end = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     run(engine, [("b", prompt, end, "end")])
-    assert "mid" not in engine.sessions and "end" in engine.sessions
     second = prompt + ref[:5] + [40, 41]
-    ids, cached = run(engine, [("c", second, GREEDY, "end")])["c"]
+    ids, cached = run(engine, [("d", second, GREEDY, "end")])["d"]
     assert cached == len(prompt) + 4
-    assert ids == run(make_engine(tiny), [("f", second, GREEDY, None)])["f"][0]
+    assert ids == run(make_engine(tiny), [("g", second, GREEDY, None)])["g"][0]
 
 
 def test_store_cap_aborts_and_no_session(tiny):

@@ -121,7 +121,7 @@ def test_tp_greedy_ids_equal_one_device(tiny, tp, steps):
     engine = make_engine(tiny, tp, decode_steps=steps)
     calls = []
     multi = engine.runner.run_decode_steps
-    engine.runner.run_decode_steps = lambda b, k: calls.append(k) or multi(b, k)
+    engine.runner.run_decode_steps = lambda b, k, s=None: calls.append(k) or multi(b, k, s)
     try:
         assert engine.runner.model.model.layers[0].kda.H == 4 // tp  # really split
         many = run_all(engine, reqs, arrivals)
