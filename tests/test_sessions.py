@@ -138,15 +138,16 @@ def test_diverging_prompt_runs_from_scratch(tiny):
     assert ids == run(make_engine(tiny), [("f", other, GREEDY, None)])["f"][0]
 
 
-def test_multi_step_decode_parks_the_state_at_its_stop(tiny):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_multi_step_decode_parks_the_state_at_its_stop(tiny, device):
     """decode_steps 4: a request that samples its stop token inside a run of 4 steps: its later
     steps go to the scratch slot (ModelRunner.run_decode_steps' stop_ids), so its own slot holds
     the state of exactly the tokens before the stop, and the next turn resumes from it."""
     prompt = list(range(5, 30))
-    ref = run(make_engine(tiny), [("r", prompt, GREEDY, None)])["r"][0]
+    ref = run(make_engine(tiny, device), [("r", prompt, GREEDY, None)])["r"][0]
     # steps: the prefill samples ref[0], then a run of 4 samples ref[1:5]: ref[2] stops it
     assert ref[2] not in ref[:2]
-    engine = make_engine(tiny, decode_steps=4)
+    engine = make_engine(tiny, device, decode_steps=4)
     mid = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                          stop_token_ids=(ref[2],))
     ids, _ = run(engine, [("a", prompt, mid, "mid")])["a"]
@@ -154,7 +155,7 @@ def test_multi_step_decode_parks_the_state_at_its_stop(tiny):
     second = prompt + ref[:3] + [40, 41]  # the stop token comes back in the history
     ids, cached = run(engine, [("c", second, GREEDY, "mid")])["c"]
     assert cached == len(prompt) + 2
-    fresh = run(make_engine(tiny), [("f", second, GREEDY, None)])["f"][0]
+    fresh = run(make_engine(tiny, device), [("f", second, GREEDY, None)])["f"][0]
     assert ids == fresh
     # and a stop on a run's last step (max_tokens 5: ref[4]) parks as well
     end = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -162,7 +163,7 @@ def test_multi_step_decode_parks_the_state_at_its_stop(tiny):
     second = prompt + ref[:5] + [40, 41]
     ids, cached = run(engine, [("d", second, GREEDY, "end")])["d"]
     assert cached == len(prompt) + 4
-    assert ids == run(make_engine(tiny), [("g", second, GREEDY, None)])["g"][0]
+    assert ids == run(make_engine(tiny, device), [("g", second, GREEDY, None)])["g"][0]
 
 
 def test_store_cap_aborts_and_no_session(tiny):
