@@ -113,11 +113,13 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     input_embeds: dict[int, torch.Tensor] | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, priority: int = 0) -> str:
         """input_embeds: prompt position -> [hidden] vector used instead of that token's
         embedding (image patches from a vision tower, for example). session_id: resume the
         session's parked state if this prompt extends its tokens, and park this request's
-        state under it when it ends (volundr.session)."""
+        state under it when it ends (volundr.session). priority: waiting requests are admitted
+        lower values first (then in arrival order); under KV pressure the highest value is
+        preempted first."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.check()  # WorkerError once a rank is gone
         ids = [int(t) for t in prompt_token_ids]
@@ -132,6 +134,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, ids, params)
+        seq.priority = int(priority)
         for pos, vec in (input_embeds or {}).items():
             if not 0 <= pos < len(ids):
                 raise ValueError(f"input embedding at position {pos} is outside the prompt "

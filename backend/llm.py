@@ -111,11 +111,12 @@ class LLM:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     input_embeds: dict[int, torch.Tensor] | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, priority: int = 0) -> str:
         """input_embeds: prompt position -> [hidden] vector replacing that token's embedding;
-        session_id: resume / park the session's state (LLMEngine.add_request)."""
+        session_id: resume / park the session's state; priority: lower is admitted first
+        (LLMEngine.add_request)."""
         return self.engine.add_request(prompt_token_ids, params, request_id, input_embeds,
-                                       session_id)
+                                       session_id, priority)
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()

@@ -4,7 +4,8 @@ Each step gets a token budget (`max_num_batched_tokens`). Running sequences that
 token each first (latency), then unfinished prefills continue, then waiting requests are
 admitted while a state slot, KV blocks and budget remain and fewer than `max_num_seqs` run. A
 long prompt is split over steps (chunked prefill): the KDA state and KV cache carry the prefix.
-When KV blocks run out, the most recently admitted sequence is preempted and later recomputed
+Waiting requests are admitted by priority (lower first), then arrival. When KV blocks run out,
+the most recently admitted sequence of the lowest priority is preempted and later recomputed
 (its fixed-size KDA state cannot be rebuilt without re-reading its tokens).
 """
 
@@ -40,7 +41,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queued after every waiting request of its priority or a more urgent one."""
+        at = next((i for i, w in enumerate(self.waiting) if w.priority > seq.priority),
+                  len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -58,8 +62,10 @@ class Scheduler:
                 continue
             n = min(seq.num_pending_tokens, budget)
             while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
-                # The newest sequence not already in this step's batch gives way (maybe seq).
-                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                # The newest of the least urgent sequences not already in this step's batch
+                # gives way (maybe seq).
+                victim = max((s for s in reversed(self.running) if s.seq_id not in scheduled),
+                             key=lambda s: s.priority)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -89,7 +95,10 @@ class Scheduler:
         self.num_preemptions += 1
         self._release(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        # ahead of the waiting requests of its priority, behind the more urgent ones
+        at = next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority),
+                  len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its blocks and slot (also used for aborts)."""

@@ -41,6 +41,7 @@ class Sequence:
         # a parked state to restore at admission (tokens [0, num_computed_tokens) come from
         # it: num_cached_tokens of them).
         self.session_id: str | None = None
+        self.priority = 0  # lower runs first (vLLM's convention); ties in arrival order
         self.resume = None  # volundr.session.ParkedSession
         self.num_cached_tokens = 0
 

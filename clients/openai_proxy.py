@@ -79,7 +79,8 @@ def triton_error(e: Exception) -> APIError:
 def _tensors(req: ChatRequest | CompletionRequest) -> dict:
     fields = {"max_tokens": req.limit(), "temperature": req.temperature, "top_p": req.top_p,
               "top_k": req.top_k, "min_p": req.min_p, "seed": req.seed, "stop": req.stops(),
-              "ignore_eos": req.ignore_eos or None, "stream": req.stream}
+              "ignore_eos": req.ignore_eos or None, "stream": req.stream,
+              "priority": req.priority}
     if isinstance(req, ChatRequest):
         fields["messages"] = json.dumps(req.messages, ensure_ascii=False)
         if req.tools_active():

@@ -57,6 +57,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     logprobs: bool | int | None = None
+    # vLLM's extension: waiting requests are admitted lower values first
+    priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
 
     @field_validator("n", "stream", "ignore_eos", mode="before")
     @classmethod

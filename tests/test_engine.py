@@ -302,3 +302,37 @@ def test_multi_step_while_requests_wait_for_a_slot(tiny):
     engine.runner.run_decode_steps = lambda b, k, s=None: calls.append(k) or orig(b, k, s)
     assert run_all(engine, reqs) == ref
     assert calls and max(calls) == 4
+
+
+def test_priority_orders_admission_and_preemption(tiny):
+    """One running sequence at a time: the waiting requests start lower priority first, then in
+    arrival order; under KV pressure the least urgent (then newest) running sequence gives way,
+    and the outputs equal the requests run alone."""
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = make_engine(tiny, max_num_seqs=1)
+    ps = prompts(4, 8)
+    for rid, p, prio in (("a", ps[0], 0), ("b", ps[1], 5), ("c", ps[2], -1), ("d", ps[3], 0)):
+        engine.add_request(p, greedy, rid, priority=prio)
+    order: list[str] = []
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["c", "a", "d", "b"]
+
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reqs = [("lo", ps[0], 3), ("hi", ps[1], 0), ("mid", ps[2], 1)]
+    engine = make_engine(tiny, num_kv_blocks=10, max_model_len=128)  # 160 tokens for three
+    preempted = []
+    orig = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda s: preempted.append(s.request_id) or orig(s)
+    out: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
+    for i, (rid, p, prio) in enumerate(reqs):
+        engine.add_request(p, long, rid, priority=prio)
+        if i == 0:  # "lo" runs first: the oldest, yet the first to give way
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert preempted and preempted[0] == "lo" and "hi" not in preempted
+    for rid, p, _ in reqs:
+        assert out[rid] == run_all(make_engine(tiny), [(rid, p, long)])[rid]

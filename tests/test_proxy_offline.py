@@ -51,7 +51,9 @@ def test_requests_checked_before_triton():
            ({"response_format": {"type": "json_object"}}, "'json_object' is not supported"),
            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             "'json_schema' is not supported"),
-           ({"response_format": "json"}, "response_format")]
+           ({"response_format": "json"}, "response_format"),
+           ({"priority": "high"}, "priority"), ({"priority": 2**31}, "priority"),
+           ({"session_id": ""}, "session_id"), ({"session_id": ["a"]}, "session_id")]
 
     async def go():
         transport = httpx.ASGITransport(app=app)
@@ -451,3 +453,15 @@ def test_forced_tool_choice_reaches_preprocessing():
     for choice in (None, "auto", "none"):
         assert kwargs(tools=TOOLS, tool_choice=choice,
                       chat_template_kwargs={"tool_choice": "required"}) is None
+
+
+def test_priority_and_session_reach_triton():
+    """vLLM's `priority` and the `session_id` extension go to the ensemble's inputs (a session
+    with choice 0 only); left out, neither is sent."""
+    from volundr.clients.openai_proxy import _tensors
+
+    req = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}],
+                      priority=-3, session_id="task-7")
+    assert _tensors(req)["priority"] == -3 and req.session_id() == "task-7"
+    plain = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}])
+    assert _tensors(plain)["priority"] is None and plain.session_id() is None

@@ -1,7 +1,7 @@
 """Sessions through the real servers (conftest.py's `volundr-serve`): a request's session_id
 parks its state when it ends and the next turn resumes it (volundr.session) — tritonclient to
 volundr_llm with token ids, and the OpenAI SDK through the proxy (extra_body session_id, usage's
-prompt_tokens_details.cached_tokens)."""
+prompt_tokens_details.cached_tokens); `priority` the same ways."""
 
 from __future__ import annotations
 
@@ -72,3 +72,15 @@ def test_openai_chat_turns_with_a_session_id(serving):
     with pytest.raises(openai.BadRequestError, match="session_id"):
         client.chat.completions.create(messages=msgs, model="volundr", max_tokens=1,
                                        extra_body={"session_id": 7})
+
+
+def test_priority_travels_through_triton_and_the_proxy(serving, tiny_dir):
+    """`priority` (engine-tested in test_engine.py) reaches volundr_llm from tritonclient and
+    from the OpenAI SDK (vLLM's extension) and the request runs."""
+    [r] = grpc_stream(serving.grpc_url, "volundr_llm", VolundrTriton.inputs(
+        input_ids=[20, 21, 22], max_tokens=3, ignore_eos=True, priority=-2))
+    assert r.as_numpy("output_ids").size == 3
+    client = openai.OpenAI(base_url=f"{serving.proxy_url}/v1", api_key="none")
+    c = client.completions.create(model="volundr", prompt="Hi", max_tokens=2,
+                                  extra_body={"priority": 4, "ignore_eos": True})
+    assert c.usage.completion_tokens == 2

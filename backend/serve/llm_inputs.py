@@ -26,6 +26,7 @@ class LLMRequest:
     stops: tuple[str, ...]
     stream: bool
     session_id: str | None = None  # park / resume the engine state under it (volundr.session)
+    priority: int = 0  # lower is admitted first
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
     session = _strings(get("session_id"), "session_id")
     if len(session) > 1 or any(len(s) > 256 for s in session):
         raise _bad("session_id must be one string of at most 256 characters")
-    return LLMRequest(prompt, params, stops, stream, session[0] if session else None)
+    priority = int(_opt(_scalar(get, "priority"), 0))
+    return LLMRequest(prompt, params, stops, stream, session[0] if session else None, priority)
 
 
 def _opt(v, default):

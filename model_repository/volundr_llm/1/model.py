@@ -96,7 +96,7 @@ class TritonPythonModel:
                 sender.error(str(e))
                 continue
             self.loop.submit(request.request_id(), req.prompt_ids, req.params, req.stops,
-                             req.stream, sender, req.session_id)
+                             req.stream, sender, req.session_id, req.priority)
         return None
 
     def finalize(self) -> None:
