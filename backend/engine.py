@@ -175,6 +175,7 @@ class LLMEngine:
                 return self._postprocess_steps(
                     batch, self.runner.run_decode_steps(batch, steps, stops))
             tokens = self.runner.run(batch)
+            self._save_prompt_states(batch)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
             for rid in list(self.requests):
                 self.abort(rid)
@@ -255,6 +256,17 @@ class LLMEngine:
                                       seq.num_cached_tokens))
         return outs
 
+    def _save_prompt_states(self, batch: list[ScheduledSeq]) -> None:
+        """A session request whose prompt just ran to its end: its state then, kept for the
+        park (volundr.session: the next turn may share the prompt but not the reply)."""
+        if not self.sessions.capacity_bytes:
+            return
+        for item in batch:
+            s = item.seq
+            if (s.session_id and item.samples and s.num_output_tokens == 0
+                    and item.num_new_tokens and s.num_prompt_tokens > s.num_cached_tokens):
+                s.prompt_states = self.runner.save_states(s)
+
     def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens that end seq (hidden: never emitted)."""
         p = seq.params
@@ -269,7 +281,10 @@ class LLMEngine:
         if not self.sessions.fits(self.runner.session_nbytes(self.block_manager.blocks_for(n))):
             self.sessions.drop(seq.session_id)
             return
-        self.sessions.put(seq.session_id, self.runner.save_session(seq, n))
+        parked = self.runner.save_session(seq, n)
+        if seq.prompt_states and n > seq.num_prompt_tokens:
+            parked.prompt_len, parked.prompt_states = seq.num_prompt_tokens, seq.prompt_states
+        self.sessions.put(seq.session_id, parked)
 
     def close(self) -> None:
         """Stops the tensor-parallel workers (a no-op on one device); also runs at exit."""

@@ -136,13 +136,16 @@ class ModelRunner:
         h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return h.copy_(t, non_blocking=True)
 
+    def save_states(self, seq) -> list[torch.Tensor]:
+        """seq's slot state (every state tensor's row), copied to host memory."""
+        return [self._to_host(t[seq.slot]) for t in self.states]
+
     def save_session(self, seq, num_tokens: int) -> ParkedSession:
         """The state of seq's slot and the KV of its blocks covering num_tokens positions,
         copied to host memory (before the scheduler frees them)."""
         nb = (num_tokens + self.block_size - 1) // self.block_size
         idx = torch.tensor(seq.block_table[:nb], device=self.device)
-        return ParkedSession(tokens=seq.token_ids[:num_tokens],
-                             states=[self._to_host(t[seq.slot]) for t in self.states],
+        return ParkedSession(tokens=seq.token_ids[:num_tokens], states=self.save_states(seq),
                              kv=[self._to_host(c[idx]) for c in self.kv_caches])
 
     def _restore(self, seq) -> None:

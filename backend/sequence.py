@@ -44,6 +44,7 @@ class Sequence:
         self.priority = 0  # lower runs first (vLLM's convention); ties in arrival order
         self.resume = None  # volundr.session.ParkedSession
         self.num_cached_tokens = 0
+        self.prompt_states: list[torch.Tensor] = []  # host copy of the state after the prompt
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +78,7 @@ class Sequence:
         self.slot = None
         self.resume = None  # its parked state (if any) was not restored: recompute it too
         self.num_cached_tokens = 0
+        self.prompt_states = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

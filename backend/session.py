@@ -7,7 +7,10 @@ its computed tokens are copied to host memory (pinned on CUDA), and its GPU bloc
 freed at once, so a session waiting on a tool holds no GPU memory. When the session's next
 request arrives and its prompt starts with the parked tokens, the engine copies the state back
 into a slot and the KV into fresh blocks, and prefills only the new tokens. Any other prompt
-drops the parked state (KDA's state cannot be rewound to a shorter prefix) and runs from
+falls back to the state at the end of the parked turn's own prompt, also parked, when the new
+prompt extends that: chat clients send the assistant's reply back without its reasoning (or
+re-tokenized), so the history matches up to the reply and differs within it. Any other prompt
+drops the parked state (KDA's state cannot be rewound to an arbitrary prefix) and runs from
 scratch.
 
 The store keeps at most `capacity_bytes` of host memory, evicting the least recently parked
@@ -26,15 +29,25 @@ import torch
 class ParkedSession:
     """tokens: the ids whose effect the state holds (tokens[i] at position i); states: one host
     tensor per runner state tensor (that tensor's row of the slot); kv: per attention cache
-    (runner order), the rows of the blocks that cover `tokens`, [blocks, block_size, KVH, D]."""
+    (runner order), the rows of the blocks that cover `tokens`, [blocks, block_size, KVH, D];
+    prompt_states: the states after tokens[:prompt_len], the turn's prompt (empty: none)."""
 
     tokens: list[int]
     states: list[torch.Tensor]
     kv: list[torch.Tensor] = field(default_factory=list)
+    prompt_len: int = 0
+    prompt_states: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.states + self.kv)
+        return sum(t.numel() * t.element_size()
+                   for t in self.states + self.kv + self.prompt_states)
+
+    def at_prompt_end(self) -> ParkedSession:
+        """The state after the turn's prompt, with the KV blocks that cover it (views)."""
+        n = self.prompt_len
+        nb = -(-n // self.kv[0].shape[1]) if self.kv else 0
+        return ParkedSession(self.tokens[:n], self.prompt_states, [c[:nb] for c in self.kv])
 
 
 class SessionStore:
@@ -71,17 +84,18 @@ class SessionStore:
         self.nbytes += parked.nbytes
 
     def take(self, session_id: str, prompt: list[int]) -> ParkedSession | None:
-        """The session's parked state if `prompt` extends its tokens by at least one token (it
-        leaves the store: the request now owns it); else None, and a parked state that the
-        prompt contradicts is dropped."""
+        """The session's parked state if `prompt` extends its tokens by at least one token, else
+        its state at the end of its turn's prompt if `prompt` extends that (it leaves the store:
+        the request now owns it); else None, and the parked state is dropped."""
         parked = self._parked.get(session_id)
         if parked is None:
             return None
-        n = len(parked.tokens)
         self.drop(session_id)
-        if len(prompt) > n and prompt[:n] == parked.tokens:
-            self.num_resumed += 1
-            return parked
+        for cand in (parked, parked.at_prompt_end() if parked.prompt_states else None):
+            n = len(cand.tokens) if cand is not None else 0
+            if cand is not None and n and len(prompt) > n and prompt[:n] == cand.tokens:
+                self.num_resumed += 1
+                return cand
         self.num_mismatched += 1
         return None
 

@@ -47,9 +47,10 @@ def test_volundr_llm_session_turns_resume_from_the_parked_state(serving, tiny_di
 
 
 def test_openai_chat_turns_with_a_session_id(serving):
-    """Turn 2 carries turn 1's messages and reply: its prompt starts with turn 1's, so the
-    session's parked state supplies those tokens (max_tokens=1: the state is turn 1's prompt);
-    the reply equals the same request without a session."""
+    """Turn 2 carries turn 1's messages and a reply that is not the generated text token for
+    token (here another text, as when a client drops the reasoning): the state parked at the
+    end of turn 1's prompt supplies those tokens; the reply equals the same request without a
+    session."""
     client = openai.OpenAI(base_url=f"{serving.proxy_url}/v1", api_key="none")
     msgs = [{"role": "user", "content": "Which tool reads the weather?"}]
 
@@ -59,9 +60,9 @@ def test_openai_chat_turns_with_a_session_id(serving):
                                               model="volundr", temperature=0.0,
                                               extra_body=body)
 
-    r1 = chat(msgs, "oai-session-1", max_tokens=1)
+    r1 = chat(msgs, "oai-session-1")
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
-    msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content or ""},
+    msgs2 = msgs + [{"role": "assistant", "content": "The weather tool."},
                     {"role": "user", "content": "And tomorrow?"}]
     r2 = chat(msgs2, "oai-session-1")
     assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens

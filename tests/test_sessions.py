@@ -85,6 +85,19 @@ def test_store_take_put_evict():
     assert store.nbytes == 50 and len(store) == 2
     with pytest.raises(ValueError):
         SessionStore(-1)
+    # the state at the end of the turn's prompt: for a prompt that diverges inside the reply
+    kv = [torch.zeros(3, 4, 1, 2)]  # 3 blocks of 4 tokens: 10 tokens parked
+    p = ParkedSession(list(range(10)), [torch.ones(2)], kv, prompt_len=5,
+                      prompt_states=[torch.full((2,), 7.0)])
+    store = SessionStore(10_000)
+    store.put("p", p)
+    got = store.take("p", [0, 1, 2, 3, 4, 99, 98])
+    assert got.tokens == [0, 1, 2, 3, 4] and got.states[0].tolist() == [7.0, 7.0]
+    assert got.kv[0].shape[0] == 2  # the blocks that cover 5 tokens
+    store.put("p", p)
+    assert store.take("p", [0, 1, 2, 3, 9]) is None  # diverges inside the prompt
+    store.put("p", p)
+    assert store.take("p", list(range(12))).tokens == list(range(10))  # the whole turn
 
 
 def _turns(engine: LLMEngine, first: list[int], extra: list[int]):
@@ -127,6 +140,26 @@ def test_resume_beside_other_requests_and_chunked(tiny):
     alone = make_engine(tiny)
     assert out["t2"][0] == run(alone, [("a", second, GREEDY, None)])["a"][0]
     assert out["o"][0] == run(alone, [("b", other, GREEDY, None)])["b"][0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_reply_sent_back_changed_resumes_from_the_prompt_end(tiny, device):
+    """Turn 2's history carries turn 1's prompt but not its reply token for token (a client
+    drops the reasoning, or the text re-tokenizes differently): the state parked at the end of
+    turn 1's prompt serves it."""
+    first = list(range(5, 45))
+    engine = make_engine(tiny, device)
+    count = _Count(engine)
+    (ids1, _), = run(engine, [("t1", first, GREEDY, "s")]).values()
+    second = first + [7, 8, 9] + ids1[3:] + [11, 12]  # the reply's start differs
+    ids2, cached = run(engine, [("t2", second, GREEDY, "s")])["t2"]
+    assert cached == len(first) and count.tokens["t2"] == len(second) - len(first)
+    assert ids2 == run(make_engine(tiny, device), [("f", second, GREEDY, None)])["f"][0]
+    # turn 2 parked again; a turn 3 that keeps turn 2's reply resumes from its end
+    third = second + ids2 + [13]
+    ids3, cached = run(engine, [("t3", third, GREEDY, "s")])["t3"]
+    assert cached == len(second) + GREEDY.max_tokens - 1
+    assert ids3 == run(make_engine(tiny, device), [("g", third, GREEDY, None)])["g"][0]
 
 
 def test_diverging_prompt_runs_from_scratch(tiny):
