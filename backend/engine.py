@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass
 
@@ -145,7 +146,9 @@ class LLMEngine:
             seq.input_embeds[int(pos)] = vec.detach().to("cpu")
         if session_id:
             seq.session_id = session_id
-            seq.resume = self.sessions.take(session_id, ids)
+            seq.embed_digests = {p: hashlib.sha1(v.float().numpy().tobytes()).hexdigest()
+                                 for p, v in seq.input_embeds.items()}
+            seq.resume = self.sessions.take(session_id, ids, seq.embed_digests)
             if seq.resume is not None:
                 seq.num_computed_tokens = seq.num_cached_tokens = len(seq.resume.tokens)
         self.requests[request_id] = seq
@@ -282,6 +285,7 @@ class LLMEngine:
             self.sessions.drop(seq.session_id)
             return
         parked = self.runner.save_session(seq, n)
+        parked.embeds = {p: d for p, d in seq.embed_digests.items() if p < n}
         if seq.prompt_states and n > seq.num_prompt_tokens:
             parked.prompt_len, parked.prompt_states = seq.num_prompt_tokens, seq.prompt_states
         self.sessions.put(seq.session_id, parked)

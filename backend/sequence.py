@@ -45,6 +45,7 @@ class Sequence:
         self.resume = None  # volundr.session.ParkedSession
         self.num_cached_tokens = 0
         self.prompt_states: list[torch.Tensor] = []  # host copy of the state after the prompt
+        self.embed_digests: dict[int, str] = {}  # input_embeds position -> digest (sessions)
 
     @property
     def num_tokens(self) -> int:

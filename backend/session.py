@@ -37,6 +37,9 @@ class ParkedSession:
     kv: list[torch.Tensor] = field(default_factory=list)
     prompt_len: int = 0
     prompt_states: list[torch.Tensor] = field(default_factory=list)
+    # position -> digest of the input embedding used there (an image patch): equal token ids
+    # (every patch is <|image_pad|>) with another image must not resume
+    embeds: dict[int, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -47,7 +50,8 @@ class ParkedSession:
         """The state after the turn's prompt, with the KV blocks that cover it (views)."""
         n = self.prompt_len
         nb = -(-n // self.kv[0].shape[1]) if self.kv else 0
-        return ParkedSession(self.tokens[:n], self.prompt_states, [c[:nb] for c in self.kv])
+        return ParkedSession(self.tokens[:n], self.prompt_states, [c[:nb] for c in self.kv],
+                             embeds={p: d for p, d in self.embeds.items() if p < n})
 
 
 class SessionStore:
@@ -83,17 +87,22 @@ class SessionStore:
         self._parked[session_id] = parked
         self.nbytes += parked.nbytes
 
-    def take(self, session_id: str, prompt: list[int]) -> ParkedSession | None:
+    def take(self, session_id: str, prompt: list[int],
+             embeds: dict[int, str] | None = None) -> ParkedSession | None:
         """The session's parked state if `prompt` extends its tokens by at least one token, else
         its state at the end of its turn's prompt if `prompt` extends that (it leaves the store:
-        the request now owns it); else None, and the parked state is dropped."""
+        the request now owns it); else None, and the parked state is dropped. embeds: the
+        prompt's input embedding digests (position -> digest), which must match the parked
+        ones over the resumed tokens."""
+        embeds = embeds or {}
         parked = self._parked.get(session_id)
         if parked is None:
             return None
         self.drop(session_id)
         for cand in (parked, parked.at_prompt_end() if parked.prompt_states else None):
             n = len(cand.tokens) if cand is not None else 0
-            if cand is not None and n and len(prompt) > n and prompt[:n] == cand.tokens:
+            if (cand is not None and n and len(prompt) > n and prompt[:n] == cand.tokens
+                    and {p: d for p, d in embeds.items() if p < n} == cand.embeds):
                 self.num_resumed += 1
                 return cand
         self.num_mismatched += 1

@@ -162,6 +162,31 @@ def test_reply_sent_back_changed_resumes_from_the_prompt_end(tiny, device):
     assert ids3 == run(make_engine(tiny, device), [("g", third, GREEDY, None)])["g"][0]
 
 
+def test_input_embeds_must_match_to_resume(tiny):
+    """Image-style input embeddings (every patch shares one placeholder id): a turn resumes only
+    if the embeddings at the parked positions are the same vectors."""
+    cfg, _ = tiny
+    first = list(range(5, 15)) + [11] * 6 + [5, 6, 7]  # placeholders at 10..15
+    img = {p: torch.randn(cfg.hidden_size) for p in range(10, 16)}
+    other = {p: torch.randn(cfg.hidden_size) for p in range(10, 16)}
+
+    def turn(engine, ids, embeds, session):
+        engine.add_request(ids, GREEDY, "r", input_embeds=embeds, session_id=session)
+        out, cached = [], 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                out, cached = out + o.new_token_ids, o.num_cached_tokens
+        return out, cached
+
+    for embeds, want_cached in ((img, True), (other, False)):
+        engine = make_engine(tiny)
+        ids1, _ = turn(engine, first, img, "s")
+        second = first + ids1 + [40, 41]
+        ids2, cached = turn(engine, second, embeds, "s")
+        assert (cached == len(first) + GREEDY.max_tokens - 1) if want_cached else cached == 0
+        assert ids2 == turn(make_engine(tiny), second, embeds, None)[0]
+
+
 def test_diverging_prompt_runs_from_scratch(tiny):
     engine = make_engine(tiny)
     run(engine, [("t1", list(range(5, 25)), GREEDY, "s")])
