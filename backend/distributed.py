@@ -74,7 +74,7 @@ class _SeqView:
     num_tokens: int
     token_ids: _Window
     input_embeds: dict  # position -> [hidden] vector, only those this step reads
-    resume: None = None  # no sessions with tensor parallelism (LLMEngine: store of 0 bytes)
+    resume: object = None  # volundr.session.Resume: this rank's parked shard to restore
 
 
 def make_plan(batch: list[ScheduledSeq], max_order: int) -> list[tuple]:
@@ -85,13 +85,14 @@ def make_plan(batch: list[ScheduledSeq], max_order: int) -> list[tuple]:
         e = s + item.num_new_tokens
         embeds = {p: v for p, v in seq.input_embeds.items() if s <= p < e}
         plan.append((seq.slot, list(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
-                     start, seq.token_ids[start:e], item.num_new_tokens, embeds))
+                     start, seq.token_ids[start:e], item.num_new_tokens, embeds, seq.resume))
     return plan
 
 
 def batch_from_plan(plan: list[tuple]) -> list[ScheduledSeq]:
-    return [ScheduledSeq(_SeqView(slot, table, done, total, _Window(start, ids), embeds), new)
-            for slot, table, done, total, start, ids, new, embeds in plan]
+    return [ScheduledSeq(_SeqView(slot, table, done, total, _Window(start, ids), embeds,
+                                  resume), new)
+            for slot, table, done, total, start, ids, new, embeds, resume in plan]
 
 
 # ---- weights in shared memory ---------------------------------------------------------------
@@ -164,12 +165,15 @@ def _worker_main(rank: int, tp: int, port: int, cfg: VolundrConfig, runner_kw: d
             if msg[0] == "graphs":  # rank 0 switched decode to eager or back (benchmarks)
                 runner.graphs = graphs if msg[1] else None
                 continue
-            _, plan, steps = msg
+            if msg[0] == "session":  # snap / unsnap / park / forget, as rank 0 does
+                getattr(runner, msg[1])(*msg[2])
+                continue
+            _, plan, steps, stop_ids = msg
             batch = batch_from_plan(plan)
             if steps == 1:
                 runner.run(batch)
             else:
-                runner.run_decode_steps(batch, steps)
+                runner.run_decode_steps(batch, steps, stop_ids)
     except EOFError:  # rank 0 went away
         os._exit(0)
     except BaseException:
@@ -312,21 +316,46 @@ class TensorParallelRunner:
         return self._step(batch, 1)
 
     def run_decode_steps(self, batch: list[ScheduledSeq], steps: int,
-                         stop_ids: None = None) -> list[list[int]]:
-        """(stop_ids: sessions are off with tensor parallelism, so always None here)"""
-        return self._step(batch, steps)
+                         stop_ids: list[tuple[int, ...]] | None = None) -> list[list[int]]:
+        return self._step(batch, steps, stop_ids)
 
-    def _step(self, batch: list[ScheduledSeq], steps: int):
+    def _step(self, batch: list[ScheduledSeq], steps: int, stop_ids=None):
         self.check()
-        msg = ("run", make_plan(batch, self.max_order), steps)
+        msg = ("run", make_plan(batch, self.max_order), steps, stop_ids)
         try:
             for c in self.conns:
                 c.send(msg)
             if steps == 1:
                 return self.runner.run(batch)
-            return self.runner.run_decode_steps(batch, steps)
+            return self.runner.run_decode_steps(batch, steps, stop_ids)
         except Exception as e:
             raise self._fail("during a step") from e
+
+    # ---- sessions: every rank copies its own shard (ModelRunner's methods of these names) ---
+    def _session(self, op: str, *args):
+        self.check()
+        try:
+            for c in self.conns:
+                c.send(("session", op, args))
+            return getattr(self.runner, op)(*args)
+        except Exception as e:
+            raise self._fail(f"in a session {op}") from e
+
+    def snap(self, key: int, slot: int) -> None:
+        self._session("snap", key, slot)
+
+    def unsnap(self, key: int) -> None:
+        self._session("unsnap", key)
+
+    def park(self, ticket: int, slot: int, blocks: list[int], snap_key: int | None) -> int:
+        """Rank 0's host bytes (each rank parks its shard)."""
+        return self._session("park", ticket, slot, blocks, snap_key)
+
+    def forget(self, ticket: int) -> None:
+        self._session("forget", ticket)
+
+    def session_nbytes(self, num_blocks: int, prompt_state: bool = False) -> int:
+        return self.runner.session_nbytes(num_blocks, prompt_state)
 
     @property
     def graphs(self):

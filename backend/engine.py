@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import uuid
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from volundr.model_runner import ModelRunner
 from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
-from volundr.session import SessionStore
+from volundr.session import ParkedSession, SessionStore
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
 # format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
@@ -53,7 +54,8 @@ class EngineConfig:
     # model dtype), "bf16" / "bfloat16", "fp8" / "fp8_e4m3" (half the bytes of bf16 per token).
     kv_cache_dtype: str = "auto"
     # Host memory for parked sessions (volundr.session): a finished request with a session id
-    # keeps its state there until its next turn; 0 turns sessions off. One device only.
+    # keeps its state there until its next turn; 0 turns sessions off. With tensor parallelism
+    # this bounds rank 0's copy (every rank parks its own shard).
     session_gib: float = 4.0
 
     def __post_init__(self) -> None:
@@ -107,9 +109,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
-        # (tensor parallel ranks keep their states in their own processes: no sessions there)
-        on = ecfg.tensor_parallel_size == 1
-        self.sessions = SessionStore(int(ecfg.session_gib * 2**30) if on else 0)
+        self.sessions = SessionStore(int(ecfg.session_gib * 2**30), self.runner.forget)
+        self._tickets = itertools.count()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -150,7 +151,7 @@ class LLMEngine:
                                  for p, v in seq.input_embeds.items()}
             seq.resume = self.sessions.take(session_id, ids, seq.embed_digests)
             if seq.resume is not None:
-                seq.num_computed_tokens = seq.num_cached_tokens = len(seq.resume.tokens)
+                seq.num_computed_tokens = seq.num_cached_tokens = seq.resume.num_tokens
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -159,6 +160,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        self._release_session(seq)
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -267,8 +269,9 @@ class LLMEngine:
         for item in batch:
             s = item.seq
             if (s.session_id and item.samples and s.num_output_tokens == 0
-                    and item.num_new_tokens and s.num_prompt_tokens > s.num_cached_tokens):
-                s.prompt_states = self.runner.save_states(s)
+                    and s.num_prompt_tokens > s.num_cached_tokens):
+                self.runner.snap(s.seq_id, s.slot)
+                s.prompt_snap = True
 
     def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens that end seq (hidden: never emitted)."""
@@ -277,18 +280,35 @@ class LLMEngine:
 
     def _park(self, seq: Sequence) -> None:
         """A finished session request's state to host memory, under its session id. Its
-        last sampled token never ran through the model: the state covers the tokens before."""
+        last sampled token never ran through the model: the state covers the tokens before.
+        With its prompt's state when the turn ran past its prompt (volundr.session)."""
         if not seq.session_id or not self.sessions.capacity_bytes:
-            return
+            return self._release_session(seq)
         n = seq.num_computed_tokens
-        if not self.sessions.fits(self.runner.session_nbytes(self.block_manager.blocks_for(n))):
+        with_prompt = seq.prompt_snap and n > seq.num_prompt_tokens
+        nb = self.block_manager.blocks_for(n)
+        if not self.sessions.fits(self.runner.session_nbytes(nb, with_prompt)):
             self.sessions.drop(seq.session_id)
-            return
-        parked = self.runner.save_session(seq, n)
-        parked.embeds = {p: d for p, d in seq.embed_digests.items() if p < n}
-        if seq.prompt_states and n > seq.num_prompt_tokens:
-            parked.prompt_len, parked.prompt_states = seq.num_prompt_tokens, seq.prompt_states
-        self.sessions.put(seq.session_id, parked)
+            return self._release_session(seq)
+        ticket = next(self._tickets)
+        nbytes = self.runner.park(ticket, seq.slot, seq.block_table[:nb],
+                                  seq.seq_id if with_prompt else None)
+        if seq.prompt_snap and not with_prompt:
+            self.runner.unsnap(seq.seq_id)
+        seq.prompt_snap = False
+        self.sessions.put(seq.session_id, ParkedSession(
+            seq.token_ids[:n], ticket, nbytes, seq.num_prompt_tokens if with_prompt else 0,
+            {p: d for p, d in seq.embed_digests.items() if p < n}))
+
+    def _release_session(self, seq: Sequence) -> None:
+        """The runner's copies a request ends without using: its prompt's state, a parked
+        state it took but never restored."""
+        if seq.prompt_snap:
+            self.runner.unsnap(seq.seq_id)
+            seq.prompt_snap = False
+        if seq.resume is not None:
+            self.runner.forget(seq.resume.ticket)
+            seq.resume = None
 
     def close(self) -> None:
         """Stops the tensor-parallel workers (a no-op on one device); also runs at exit."""

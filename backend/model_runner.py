@@ -20,7 +20,6 @@ from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
 from volundr.sampler import Sampler
 from volundr.scheduler import ScheduledSeq
-from volundr.session import ParkedSession
 
 
 def _expandable_segments() -> None:
@@ -74,6 +73,8 @@ class ModelRunner:
         self.model = model.eval()
         self.sampler = Sampler(device, seed)
         self._allocate_caches()
+        self.snaps: dict[int, list[torch.Tensor]] = {}  # sessions: see snap / park
+        self.parked: dict[int, tuple[list, list, list]] = {}
         if tp_size > 1 and device.type == "cuda" and tp_all_reduce == "symm":
             enable_one_shot(device, num_slots * cfg.hidden_size, dtype)  # decode batches
         self.graphs = None
@@ -123,9 +124,12 @@ class ModelRunner:
             self.kv_caches += [attn.k_cache, attn.v_cache]
 
     # ---- sessions (volundr.session) -----------------------------------------------------
-    def session_nbytes(self, num_blocks: int) -> int:
-        """Host bytes of a parked state whose KV spans num_blocks blocks."""
-        return (sum(t[0].numel() * t.element_size() for t in self.states)
+    # Host copies keyed by what the engine names them: snaps[seq key] = a running sequence's
+    # state after its prompt; parked[ticket] = (states, kv blocks, prompt states).
+    def session_nbytes(self, num_blocks: int, prompt_state: bool = False) -> int:
+        """Host bytes of a parked state whose KV spans num_blocks blocks (+ a prompt state)."""
+        state = sum(t[0].numel() * t.element_size() for t in self.states)
+        return (state * (2 if prompt_state else 1)
                 + num_blocks * sum(c[0].numel() * c.element_size() for c in self.kv_caches))
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -136,27 +140,36 @@ class ModelRunner:
         h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return h.copy_(t, non_blocking=True)
 
-    def save_states(self, seq) -> list[torch.Tensor]:
-        """seq's slot state (every state tensor's row), copied to host memory."""
-        return [self._to_host(t[seq.slot]) for t in self.states]
+    def snap(self, key: int, slot: int) -> None:
+        """Keep the state of `slot` now (a sequence whose prompt just ran) under `key`."""
+        self.snaps[key] = [self._to_host(t[slot]) for t in self.states]
 
-    def save_session(self, seq, num_tokens: int) -> ParkedSession:
-        """The state of seq's slot and the KV of its blocks covering num_tokens positions,
-        copied to host memory (before the scheduler frees them)."""
-        nb = (num_tokens + self.block_size - 1) // self.block_size
-        idx = torch.tensor(seq.block_table[:nb], device=self.device)
-        return ParkedSession(tokens=seq.token_ids[:num_tokens], states=self.save_states(seq),
-                             kv=[self._to_host(c[idx]) for c in self.kv_caches])
+    def unsnap(self, key: int) -> None:
+        self.snaps.pop(key, None)
+
+    def park(self, ticket: int, slot: int, blocks: list[int], snap_key: int | None) -> int:
+        """Copy `slot`'s state, the KV of `blocks` and the snap under snap_key (taken off) to
+        host memory as parked[ticket]; returns its host bytes."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        prompt = self.snaps.pop(snap_key, []) if snap_key is not None else []
+        parked = ([self._to_host(t[slot]) for t in self.states],
+                  [self._to_host(c[idx]) for c in self.kv_caches], prompt)
+        self.parked[ticket] = parked
+        return sum(t.numel() * t.element_size() for part in parked for t in part)
+
+    def forget(self, ticket: int) -> None:
+        self.parked.pop(ticket, None)
 
     def _restore(self, seq) -> None:
         """A resumed session's parked state into its slot and first blocks."""
-        parked, seq.resume = seq.resume, None
-        for t, h in zip(self.states, parked.states):
+        r, seq.resume = seq.resume, None
+        states, kv, prompt = self.parked.pop(r.ticket)
+        for t, h in zip(self.states, prompt if r.at_prompt_end else states):
             t[seq.slot].copy_(h, non_blocking=True)
-        idx = torch.tensor(seq.block_table[:parked.kv[0].shape[0]] if parked.kv else [],
-                           device=self.device)
-        for c, h in zip(self.kv_caches, parked.kv):
-            c[idx] = h.to(self.device, non_blocking=True)
+        nb = -(-r.num_tokens // self.block_size)
+        idx = torch.tensor(seq.block_table[:nb], dtype=torch.long, device=self.device)
+        for c, h in zip(self.kv_caches, kv):
+            c[idx] = h[:nb].to(self.device, non_blocking=True)
 
     def _init_states(self, batch: list[ScheduledSeq]) -> None:
         """Slots of sequences that start this step: zeroed, or a resumed session's state."""

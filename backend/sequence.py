@@ -42,9 +42,9 @@ class Sequence:
         # it: num_cached_tokens of them).
         self.session_id: str | None = None
         self.priority = 0  # lower runs first (vLLM's convention); ties in arrival order
-        self.resume = None  # volundr.session.ParkedSession
+        self.resume = None  # volundr.session.Resume
         self.num_cached_tokens = 0
-        self.prompt_states: list[torch.Tensor] = []  # host copy of the state after the prompt
+        self.prompt_snap = False  # the runner keeps the state after the prompt (key: seq_id)
         self.embed_digests: dict[int, str] = {}  # input_embeds position -> digest (sessions)
 
     @property
@@ -77,9 +77,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.slot = None
-        self.resume = None  # its parked state (if any) was not restored: recompute it too
-        self.num_cached_tokens = 0
-        self.prompt_states = []
+        self.num_cached_tokens = 0  # (a running sequence restored its parked state already)
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

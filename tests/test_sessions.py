@@ -12,7 +12,7 @@ import torch
 from volundr.converter.presets import get_config, random_state_dict
 from volundr.engine import EngineConfig, LLMEngine
 from volundr.sampling_params import SamplingParams
-from volundr.session import ParkedSession, SessionStore
+from volundr.session import ParkedSession, Resume, SessionStore
 
 EOS = (2, 0)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -61,43 +61,47 @@ def run(engine: LLMEngine, reqs) -> dict[str, tuple[list[int], int]]:
 
 
 def test_store_take_put_evict():
-    def parked(tokens, nbytes):
-        return ParkedSession(tokens, [torch.zeros(nbytes, dtype=torch.uint8)])
+    forgotten: list[int] = []
+    store = SessionStore(100, forgotten.append)
+    tickets = iter(range(100))
 
-    store = SessionStore(100)
-    store.put("a", parked([1, 2, 3], 40))
-    store.put("b", parked([7], 40))
+    def parked(tokens, nbytes, **kw):
+        return ParkedSession(tokens, next(tickets), nbytes, **kw)
+
+    store.put("a", parked([1, 2, 3], 40))  # ticket 0
+    store.put("b", parked([7], 40))  # 1
     assert store.take("a", [1, 2, 3]) is None  # nothing new to run: not resumable, dropped
-    assert "a" not in store and store.num_mismatched == 1
-    store.put("a", parked([1, 2, 3], 40))
+    assert "a" not in store and store.num_mismatched == 1 and forgotten == [0]
+    store.put("a", parked([1, 2, 3], 40))  # 2
     assert store.take("a", [1, 2, 4, 5]) is None and "a" not in store  # diverged: dropped
-    store.put("a", parked([1, 2, 3], 40))
+    store.put("a", parked([1, 2, 3], 40))  # 3
     got = store.take("a", [1, 2, 3, 9])
-    assert got is not None and got.tokens == [1, 2, 3] and "a" not in store
+    assert got == Resume(3, 3, False) and "a" not in store
+    assert forgotten == [0, 2]  # a taken state is the request's: not forgotten here
     assert store.num_resumed == 1 and store.nbytes == 40  # b stays
-    store.put("c", parked([5], 40))
-    store.put("d", parked([6], 40))  # 120 > 100: the oldest (b) goes
-    assert "b" not in store and {"c", "d"} <= {k for k in ("b", "c", "d") if k in store}
+    store.put("c", parked([5], 40))  # 4
+    store.put("d", parked([6], 40))  # 5; 120 > 100: the oldest (b) goes
+    assert "b" not in store and "c" in store and "d" in store and forgotten[-1] == 1
     assert store.num_evicted == 1 and store.nbytes == 80
-    store.put("e", parked([8], 101))  # larger than the store: not kept
-    assert "e" not in store and store.nbytes == 80
-    store.put("c", parked([5, 6], 10))  # replaces c's state
-    assert store.nbytes == 50 and len(store) == 2
+    store.put("e", parked([8], 101))  # 6: larger than the store, forgotten at once
+    assert "e" not in store and store.nbytes == 80 and forgotten[-1] == 6
+    store.put("c", parked([5, 6], 10))  # 7 replaces c's state (4)
+    assert store.nbytes == 50 and len(store) == 2 and forgotten[-1] == 4
+    assert store.drop("d") and forgotten[-1] == 5 and not store.drop("d")
     with pytest.raises(ValueError):
         SessionStore(-1)
-    # the state at the end of the turn's prompt: for a prompt that diverges inside the reply
-    kv = [torch.zeros(3, 4, 1, 2)]  # 3 blocks of 4 tokens: 10 tokens parked
-    p = ParkedSession(list(range(10)), [torch.ones(2)], kv, prompt_len=5,
-                      prompt_states=[torch.full((2,), 7.0)])
-    store = SessionStore(10_000)
-    store.put("p", p)
-    got = store.take("p", [0, 1, 2, 3, 4, 99, 98])
-    assert got.tokens == [0, 1, 2, 3, 4] and got.states[0].tolist() == [7.0, 7.0]
-    assert got.kv[0].shape[0] == 2  # the blocks that cover 5 tokens
-    store.put("p", p)
-    assert store.take("p", [0, 1, 2, 3, 9]) is None  # diverges inside the prompt
-    store.put("p", p)
-    assert store.take("p", list(range(12))).tokens == list(range(10))  # the whole turn
+    # the state at the end of the turn's prompt, for a prompt that diverges inside the reply
+    store.put("p", parked(list(range(10)), 30, prompt_len=5))  # 8
+    assert store.take("p", [0, 1, 2, 3, 4, 99, 98]) == Resume(8, 5, True)
+    store.put("p", parked(list(range(10)), 30, prompt_len=5))  # 9
+    assert store.take("p", [0, 1, 2, 3, 9]) is None and forgotten[-1] == 9
+    store.put("p", parked(list(range(10)), 30, prompt_len=5))  # 10
+    assert store.take("p", list(range(12))) == Resume(10, 10, False)  # the whole turn
+    # input embedding digests must agree over the resumed positions
+    store.put("q", parked([1, 2, 3], 30, embeds={1: "x"}))  # 11
+    assert store.take("q", [1, 2, 3, 4], {1: "y"}) is None
+    store.put("q", parked([1, 2, 3], 30, embeds={1: "x"}))  # 12
+    assert store.take("q", [1, 2, 3, 4], {1: "x", 3: "z"}) == Resume(12, 3, False)
 
 
 def _turns(engine: LLMEngine, first: list[int], extra: list[int]):
@@ -126,6 +130,8 @@ def test_resumed_turn_equals_a_fresh_run_and_runs_only_new_tokens(tiny, device):
     assert ids2 == fresh and len(ids2) == GREEDY.max_tokens
     assert engine.stats()["sessions_resumed"] == 1
     assert engine.stats()["sessions_parked"] == 1  # turn 2 parked in its place
+    # the runner holds exactly the parked copies: turn 1's went back into the slot
+    assert len(engine.runner.parked) == 1 and not engine.runner.snaps
 
 
 def test_resume_beside_other_requests_and_chunked(tiny):
@@ -234,8 +240,34 @@ def test_store_cap_aborts_and_no_session(tiny):
     engine = make_engine(tiny)
     engine.add_request(list(range(5, 25)), GREEDY, "t1", session_id="s")
     engine.step()
-    engine.abort("t1")  # an aborted request is not parked
+    engine.abort("t1")  # an aborted request is not parked, its prompt's state let go
     run(engine, [("t2", list(range(5, 25)), GREEDY, None)])  # no session id: not parked
-    assert len(engine.sessions) == 0
+    assert len(engine.sessions) == 0 and not engine.runner.parked and not engine.runner.snaps
+    # a request that took a parked state and is aborted before it ran lets it go too
+    run(engine, [("t3", list(range(5, 25)), GREEDY, "s")])
+    engine.add_request(list(range(5, 40)), GREEDY, "t4", session_id="s")
+    assert len(engine.runner.parked) == 1 and len(engine.sessions) == 0  # t4 owns it
+    engine.abort("t4")
+    assert not engine.runner.parked and not engine.runner.snaps
     with pytest.raises(ValueError):
         make_engine(tiny, session_gib=-1)
+
+
+def test_sessions_with_tensor_parallelism(tiny):
+    """--tp 2 (gloo, two processes): every rank parks and restores its own shard; the resumed
+    turns (whole turn, prompt's end) equal one device's fresh runs."""
+    first, extra = list(range(5, 45)), [11, 12, 13]
+    engine = make_engine(tiny, tensor_parallel_size=2)
+    try:
+        (ids1, _), = run(engine, [("t1", first, GREEDY, "s")]).values()
+        second = first + ids1 + extra
+        ids2, cached = run(engine, [("t2", second, GREEDY, "s")])["t2"]
+        assert cached == len(first) + GREEDY.max_tokens - 1
+        third = second + [7] + ids2[1:] + [9]  # turn 2's reply sent back changed
+        ids3, cached = run(engine, [("t3", third, GREEDY, "s")])["t3"]
+        assert cached == len(second)
+    finally:
+        engine.close()
+    one = make_engine(tiny)
+    assert ids2 == run(one, [("a", second, GREEDY, None)])["a"][0]
+    assert ids3 == run(one, [("b", third, GREEDY, None)])["b"][0]
