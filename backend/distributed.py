@@ -332,27 +332,30 @@ class TensorParallelRunner:
             raise self._fail("during a step") from e
 
     # ---- sessions: every rank copies its own shard (ModelRunner's methods of these names) ---
-    def _session(self, op: str, *args):
-        self.check()
-        try:
-            for c in self.conns:
-                c.send(("session", op, args))
-            return getattr(self.runner, op)(*args)
-        except Exception as e:
-            raise self._fail(f"in a session {op}") from e
+    def _session(self, op: str, *args, frees: bool = False):
+        """op on every rank. Freeing ops (unsnap, forget) are best effort: once the runner has
+        failed (its requests being aborted) or a worker is gone, only rank 0 frees its copy."""
+        if self.failed is None:
+            try:
+                for c in self.conns:
+                    c.send(("session", op, args))
+            except OSError as e:
+                if not frees:
+                    raise self._fail(f"in a session {op}") from e
+        return getattr(self.runner, op)(*args)
 
     def snap(self, key: int, slot: int) -> None:
         self._session("snap", key, slot)
 
     def unsnap(self, key: int) -> None:
-        self._session("unsnap", key)
+        self._session("unsnap", key, frees=True)
 
     def park(self, ticket: int, slot: int, blocks: list[int], snap_key: int | None) -> int:
         """Rank 0's host bytes (each rank parks its shard)."""
         return self._session("park", ticket, slot, blocks, snap_key)
 
     def forget(self, ticket: int) -> None:
-        self._session("forget", ticket)
+        self._session("forget", ticket, frees=True)
 
     def session_nbytes(self, num_blocks: int, prompt_state: bool = False) -> int:
         return self.runner.session_nbytes(num_blocks, prompt_state)

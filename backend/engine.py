@@ -181,11 +181,11 @@ class LLMEngine:
                     batch, self.runner.run_decode_steps(batch, steps, stops))
             tokens = self.runner.run(batch)
             self._save_prompt_states(batch)
+            return self._postprocess(batch, tokens)  # (parks sessions: a rank may fail)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
             for rid in list(self.requests):
                 self.abort(rid)
             raise
-        return self._postprocess(batch, tokens)
 
     def _decode_steps(self, batch: list[ScheduledSeq]) -> int:
         """How many tokens this step may produce per sequence (1 unless the batch is all
