@@ -33,6 +33,7 @@ def _expandable_segments() -> None:
     setter = setter or torch._C._cuda_cudaCachingAllocator_set_allocator_settings
     setter("expandable_segments:True")
 
+
 class ModelRunner:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, num_slots: int, num_blocks: int,
