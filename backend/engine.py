@@ -164,6 +164,10 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return True
 
+    def close_session(self, session_id: str) -> bool:
+        """Drops the session's parked state (its host memory); whether there was one."""
+        return self.sessions.drop(session_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -118,6 +118,10 @@ class LLM:
         return self.engine.add_request(prompt_token_ids, params, request_id, input_embeds,
                                        session_id, priority)
 
+    def close_session(self, session_id: str) -> bool:
+        """Drops the session's parked state; whether there was one."""
+        return self.engine.close_session(session_id)
+
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
 

@@ -28,7 +28,8 @@ from tritonclient.utils import InferenceServerException
 
 _TYPES = {"text_input": "BYTES", "messages": "BYTES", "tools": "BYTES",
           "chat_template_kwargs": "BYTES", "stop": "BYTES", "session_id": "BYTES",
-          "abort_request_id": "BYTES", "max_tokens": "INT32", "top_k": "INT32",
+          "abort_request_id": "BYTES", "close_session_id": "BYTES", "max_tokens": "INT32",
+          "top_k": "INT32",
           "priority": "INT32", "stop_token_ids": "INT32", "input_ids": "INT32",
           "temperature": "FP32", "top_p": "FP32", "min_p": "FP32", "seed": "INT64",
           "random_seed": "UINT64", "ignore_eos": "BOOL", "stream": "BOOL", "return_stats": "BOOL"}
@@ -209,6 +210,11 @@ class VolundrTriton:
             return await self._control(abort_request_id=request_id)
         except (TritonUnavailable, TritonRequestError):
             return {}
+
+    async def close_session(self, session_id: str) -> dict:
+        """Drops the session's parked state (an agent's task is done); returns the engine
+        stats after, with closed: 1 if there was one."""
+        return await self._control(close_session_id=session_id)
 
     async def stats(self) -> dict:
         """Engine stats: num_blocks_total/free, num_slots_total/free, running, waiting, ..."""

@@ -1,10 +1,11 @@
 """Sessions through the real servers (conftest.py's `volundr-serve`): a request's session_id
 parks its state when it ends and the next turn resumes it (volundr.session) — tritonclient to
 volundr_llm with token ids, and the OpenAI SDK through the proxy (extra_body session_id, usage's
-prompt_tokens_details.cached_tokens); `priority` the same ways."""
+prompt_tokens_details.cached_tokens), and close_session_id; `priority` the same ways."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import openai
@@ -44,6 +45,16 @@ def test_volundr_llm_session_turns_resume_from_the_parked_state(serving, tiny_di
     assert cached == 0 and out2 == fresh
     after = engine_stats(serving.grpc_url)
     assert after["sessions_resumed"] == before["sessions_resumed"] + 1, after
+    # the agent's task is done: close_session_id drops the parked state
+    closed = asyncio.run(_close(serving.grpc_url, "grpc-session-1"))
+    assert closed["closed"] == 1 and closed["sessions_parked"] == after["sessions_parked"] - 1
+    assert asyncio.run(_close(serving.grpc_url, "grpc-session-1"))["closed"] == 0
+    assert _llm(serving.grpc_url, turn2 + out2 + [5], "grpc-session-1")[1] == 0
+
+
+async def _close(url: str, session_id: str) -> dict:
+    async with VolundrTriton(url) as t:
+        return await t.close_session(session_id)
 
 
 def test_openai_chat_turns_with_a_session_id(serving):

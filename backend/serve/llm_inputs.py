@@ -33,6 +33,7 @@ class LLMRequest:
 class ControlRequest:
     abort_request_id: str | None  # abort the generation started with this Triton request id
     return_stats: bool
+    close_session_id: str | None = None  # drop this session's parked state (volundr.session)
 
 
 def generation_defaults(model_dir: str | Path) -> dict:
@@ -75,12 +76,14 @@ def _strings(arr: np.ndarray | None, name: str) -> list[str]:
 
 
 def parse_control(get: Getter) -> ControlRequest | None:
-    """A control request (no generation): `abort_request_id` and/or `return_stats`."""
+    """A control request (no generation): `abort_request_id`, `close_session_id` and/or
+    `return_stats`."""
     abort = _strings(get("abort_request_id"), "abort_request_id")
+    close = _strings(get("close_session_id"), "close_session_id")
     stats = _scalar(get, "return_stats")
-    if not abort and not bool(stats):
+    if not abort and not close and not bool(stats):
         return None
-    return ControlRequest(abort[0] if abort else None, bool(stats))
+    return ControlRequest(abort[0] if abort else None, bool(stats), close[0] if close else None)
 
 
 def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = None

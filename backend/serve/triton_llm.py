@@ -160,6 +160,10 @@ class EngineLoop:
     def stats(self, reply: Callable[[dict], None]) -> None:
         self._q.put(("stats", reply))
 
+    def close_session(self, session_id: str, reply: Callable[[dict], None]) -> None:
+        """Drop the session's parked state; reply with the stats after (closed: 0 or 1)."""
+        self._q.put(("close", session_id, reply))
+
     # ---- engine thread ---------------------------------------------------------------------
     def _stats(self, aborted: int | None = None) -> dict:
         s = dict(self.llm.stats())
@@ -203,6 +207,10 @@ class EngineLoop:
             reply(self._stats(aborted=len(hits)))
         elif kind == "stats":
             cmd[1](self._stats())
+        elif kind == "close":
+            _, session_id, reply = cmd
+            closed = self.llm.close_session(session_id)
+            reply({**self._stats(), "closed": int(closed)})
 
     def _finish(self, rid: str, reason: str) -> None:
         """Ends a request early (abort or cancel): frees its blocks and slot, sends the end."""

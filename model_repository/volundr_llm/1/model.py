@@ -86,7 +86,9 @@ class TritonPythonModel:
             try:
                 control = parse_control(get)
                 if control is not None:
-                    if control.abort_request_id:
+                    if control.close_session_id:
+                        self.loop.close_session(control.close_session_id, sender.stats)
+                    elif control.abort_request_id:
                         self.loop.abort(control.abort_request_id, sender.stats)
                     else:
                         self.loop.stats(sender.stats)
