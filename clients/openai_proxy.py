@@ -50,6 +50,9 @@ class ProxyConfig:
     # The chat template opens <think> in the generation prompt (Volundr's does not), so the
     # generated text starts inside the reasoning.
     reasoning_opened: bool = False
+    # Chat requests without a session_id get one from their conversation's opening
+    # (ChatRequest.auto_session_id): every agent framework's turns resume (volundr.session).
+    auto_session: bool = False
 
 
 # Request fields that the server's 400 messages start with (preprocessing, the engine).
@@ -194,6 +197,8 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         renders = share_id([make_render(i) for i in range(req.n)])
         rid = f"{renders[0].id_prefix}-{uuid.uuid4().hex}"
         session = req.session_id()
+        if session is None and cfg.auto_session and isinstance(req, ChatRequest):
+            session = req.auto_session_id()
         fan = FanOut([triton().stream(  # n requests at once: the engine batches them
             VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i),
                                     "session_id": session if i == 0 else None}),
@@ -294,10 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--served-model-name", default="volundr")
     ap.add_argument("--max-model-len", type=int, default=None)
     add_reasoning_args(ap)
+    ap.add_argument("--auto-session", action="store_true",
+                    help="chat requests without a session_id resume the engine state of their "
+                    "conversation's previous turn (a session id from its opening messages)")
     args = ap.parse_args(argv)
     cfg = ProxyConfig(args.triton_grpc, args.served_model_name, args.max_model_len,
                       reasoning_split=not args.no_reasoning_split,
-                      reasoning_opened=args.reasoning_opened_in_prompt)
+                      reasoning_opened=args.reasoning_opened_in_prompt,
+                      auto_session=args.auto_session)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
 

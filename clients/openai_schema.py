@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Literal
 
@@ -135,6 +136,17 @@ class ChatRequest(_Common):
 
     def tools_active(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def auto_session_id(self) -> str:
+        """A session id from the conversation's opening (the messages up to the first user
+        turn, the tools and the model), the same for every later turn of it: the proxy's
+        --auto-session, for clients that send no session_id. Conversations that open alike
+        share it; the engine's token check keeps that correct (a mismatch runs from scratch)."""
+        first = next((i for i, m in enumerate(self.messages) if m.get("role") == "user"),
+                     len(self.messages) - 1)
+        key = json.dumps([self.model, self.tools, self.messages[:first + 1]], sort_keys=True,
+                         ensure_ascii=False, default=str)
+        return "auto-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
     def forced_tool_choice(self) -> str | dict | None:
         """tool_choice when it forces a call ("required" or a named function), else None."""

@@ -79,9 +79,9 @@ def post(monkeypatch):
     monkeypatch.setattr(proxy, "VolundrTriton", FakeTriton)
     FakeTriton.calls, FakeTriton.left_early, FakeTriton.fail = [], [], {}
 
-    def go(path: str, body: dict) -> httpx.Response:
+    def go(path: str, body: dict, cfg: ProxyConfig | None = None) -> httpx.Response:
         async def one():
-            app = create_app(ProxyConfig())
+            app = create_app(cfg or ProxyConfig())
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
                 return await c.post(path, json={"model": "volundr", **body})
@@ -324,3 +324,36 @@ def test_a_disconnected_non_streamed_request_cancels_every_choice():
         return e.value.status
 
     assert asyncio.run(go()) == 499 and sorted(left) == [0, 1, 2]
+
+
+def test_auto_session_ids(post, monkeypatch):
+    """--auto-session: a chat turn without a session_id goes to Triton with one derived from
+    its conversation's opening (the same for every later turn, another for another opening;
+    choice 0 only); an explicit session_id wins; off by default, and not for completions."""
+    auto = ProxyConfig(auto_session=True)
+    sys_msg = {"role": "system", "content": "You forecast."}
+    turn1 = [sys_msg, {"role": "user", "content": "Oslo?"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Cold."},
+                     {"role": "user", "content": "And Rome?"}]
+    other = [sys_msg, {"role": "user", "content": "Paris?"}]
+
+    def sessions(body, cfg=auto):
+        FakeTriton.calls = []
+        assert post("/v1/chat/completions", body, cfg).status_code == 200
+        return [f.get("session_id") for _, f in sorted(FakeTriton.calls)]
+
+    [a] = sessions({"messages": turn1})
+    assert a.startswith("auto-") and sessions({"messages": turn2}) == [a]
+    assert sessions({"messages": other})[0] not in (a, None)
+    assert sessions({"messages": turn1, "tools": TOOLS})[0] != a
+    assert sessions({"messages": turn2, "n": 2}) == [a, None]
+    assert sessions({"messages": turn2, "session_id": "mine"}) == ["mine"]
+    assert sessions({"messages": turn2}, ProxyConfig()) == [None]
+    FakeTriton.calls = []
+    post("/v1/completions", {"prompt": "Oslo?"}, auto)
+    assert [f.get("session_id") for _, f in FakeTriton.calls] == [None]
+    seen = []
+    monkeypatch.setattr(proxy, "create_app", lambda cfg: seen.append(cfg))
+    monkeypatch.setattr("uvicorn.run", lambda *a, **kw: None)
+    proxy.main(["--auto-session"])
+    assert seen[0].auto_session is True

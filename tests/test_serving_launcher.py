@@ -163,6 +163,9 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     assert kw["session_gib"] == 0.25
     with LLM(tiny_dir, **kw) as llm:
         assert llm.engine.sessions.capacity_bytes == 2**28
+    # --auto-session goes to the proxy (StackOptions -> its --auto-session)
+    assert build_options(parse_args(["--model", str(tiny_dir), "--auto-session"])).auto_session
+    assert not build_options(parse_args(["--model", str(tiny_dir)])).auto_session
 
 
 @pytest.mark.server

@@ -133,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--session-gib", type=float,
                     help="host memory for parked sessions (requests with a session_id resume "
                     "from their state; 0: off), overrides the profile's")
+    ap.add_argument("--auto-session", action="store_true",
+                    help="OpenAI chat requests without a session_id resume their conversation's "
+                    "previous turn (a session id derived from its opening messages)")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -176,7 +179,8 @@ def build_options(args: argparse.Namespace):
                         served_model_name=args.served_model_name,
                         startup_timeout_s=args.startup_timeout, log_dir=args.log_dir,
                         proxy=not args.no_proxy, reasoning_split=not args.no_reasoning_split,
-                        reasoning_opened=args.reasoning_opened_in_prompt)
+                        reasoning_opened=args.reasoning_opened_in_prompt,
+                        auto_session=args.auto_session)
 
 
 def main(argv: list[str] | None = None) -> int:

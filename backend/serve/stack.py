@@ -42,6 +42,7 @@ class StackOptions:
     proxy: bool = True  # also start the OpenAI proxy
     reasoning_split: bool = True  # proxy: <think>...</think> -> reasoning_content
     reasoning_opened: bool = False  # proxy: the chat template opens <think> in the prompt
+    auto_session: bool = False  # proxy: chat turns without a session_id get one (their opening)
 
 
 def llm_parameters(o: StackOptions) -> dict[str, str]:
@@ -183,6 +184,8 @@ class ServingStack:
             cmd.append("--no-reasoning-split")
         if o.reasoning_opened:
             cmd.append("--reasoning-opened-in-prompt")
+        if o.auto_session:
+            cmd.append("--auto-session")
         with open(self.proxy_log, "wb") as log:
             self.proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
