@@ -1,13 +1,18 @@
 """Sessions through the real servers (conftest.py's `volundr-serve`): a request's session_id
 parks its state when it ends and the next turn resumes it (volundr.session) — tritonclient to
 volundr_llm with token ids, and the OpenAI SDK through the proxy (extra_body session_id, usage's
-prompt_tokens_details.cached_tokens), and close_session_id; `priority` the same ways."""
+prompt_tokens_details.cached_tokens; a proxy with --auto-session, no id sent), and
+close_session_id; `priority` the same ways."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from test_serving import engine_stats, wait_idle
@@ -15,6 +20,7 @@ from tokenizers import Tokenizer
 from triton_helpers import grpc_stream
 
 from volundr.clients.triton import VolundrTriton
+from volundr.serve.stack import free_port
 
 pytestmark = pytest.mark.server
 
@@ -96,3 +102,38 @@ def test_priority_travels_through_triton_and_the_proxy(serving, tiny_dir):
     c = client.completions.create(model="volundr", prompt="Hi", max_tokens=2,
                                   extra_body={"priority": 4, "ignore_eos": True})
     assert c.usage.completion_tokens == 2
+
+
+def test_auto_session_proxy_resumes_turns_without_a_session_id(serving, tmp_path):
+    """A second proxy with --auto-session in front of the same Triton: chat turns that carry
+    no session_id resume their conversation's previous turn."""
+    port = free_port()
+    log = open(tmp_path / "proxy.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "volundr.clients.openai_proxy",
+                             "--triton-grpc", serving.grpc_url, "--port", str(port),
+                             "--auto-session"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "proxy did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        msgs = [{"role": "system", "content": f"Agent {tmp_path.name}."},
+                {"role": "user", "content": "Plan the trip."}]
+        kw = dict(model="volundr", max_tokens=4, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+        r1 = client.chat.completions.create(messages=msgs, **kw)
+        msgs2 = msgs + [{"role": "assistant", "content": "Step one."},
+                        {"role": "user", "content": "Go on."}]
+        r2 = client.chat.completions.create(messages=msgs2, **kw)
+        assert r1.usage.prompt_tokens_details.cached_tokens == 0
+        assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
