@@ -139,15 +139,30 @@ def _first_token_s(engine: LLMEngine, ids: list[int], rid: str,
 def session_turn(engine: LLMEngine, prompt_len: int, new_tokens: int = 64) -> dict:
     """An agent's next turn: turn 1 (prompt_len random tokens, 16 generated) ends and parks
     under a session id; turn 2 = turn 1 + its output + new_tokens. Seconds to turn 2's first
-    token from scratch (no session id) and resumed from the parked state."""
+    token from scratch (no session id) and resumed from the parked state; park_s: the copy of
+    turn 1's state and KV to host memory at its end (synchronised, timed alone)."""
     g = torch.Generator().manual_seed(prompt_len + 7)
     ids = torch.randint(16, engine.cfg.vocab_size, (prompt_len,), generator=g).tolist()
     sid = f"bench-{prompt_len}"
     engine.add_request(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                        f"{sid}-1", session_id=sid)
+    park, park_s = engine.runner.park, []
+
+    def timed_park(*args):
+        sync()
+        t = time.perf_counter()
+        nbytes = park(*args)
+        sync()
+        park_s.append(time.perf_counter() - t)
+        return nbytes
+
+    engine.runner.park = timed_park
     out: list[int] = []
-    while engine.has_unfinished():
-        out += [t for o in engine.step() for t in o.new_token_ids]
+    try:
+        while engine.has_unfinished():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+    finally:
+        engine.runner.park = park
     sync()
     parked = engine.sessions.stats()["sessions_host_bytes"]
     turn2 = ids + out + torch.randint(16, engine.cfg.vocab_size, (new_tokens,),
@@ -155,7 +170,7 @@ def session_turn(engine: LLMEngine, prompt_len: int, new_tokens: int = 64) -> di
     scratch_s, _ = _first_token_s(engine, turn2, f"{sid}-scratch")
     resumed_s, cached = _first_token_s(engine, turn2, f"{sid}-2", sid)
     return {"prompt_len": prompt_len, "turn2_len": len(turn2), "cached_tokens": cached,
-            "parked_host_bytes": parked, "scratch_ttft_s": scratch_s,
+            "parked_host_bytes": parked, "park_s": sum(park_s), "scratch_ttft_s": scratch_s,
             "resumed_ttft_s": resumed_s, "speedup": scratch_s / resumed_s}
 
 

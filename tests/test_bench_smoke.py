@@ -31,7 +31,7 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
         assert run["prefill"][0]["prompt_len"] == 40 and run["prefill"][0]["ttft_s"] > 0
         s = run["session"][0]  # turn 2 resumed: turn 1's prompt and 15 of its 16 tokens
         assert s["cached_tokens"] == 40 + 15, s  # (tp 2: every rank its shard)
-        assert s["turn2_len"] == 40 + 16 + 64 and s["resumed_ttft_s"] > 0
+        assert s["turn2_len"] == 40 + 16 + 64 and s["resumed_ttft_s"] > 0 and s["park_s"] > 0
     mixed, bf16, tp2, fp8kv = res["runs"]
     assert (bf16["kv_cache_dtype"], fp8kv["kv_cache_dtype"]) == ("auto", "fp8")
     assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
