@@ -41,9 +41,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queued after every waiting request of its priority or a more urgent one."""
-        at = next((i for i, w in enumerate(self.waiting) if w.priority > seq.priority),
-                  len(self.waiting))
+        self._enqueue(seq, ahead_of_equals=False)
+
+    def _enqueue(self, seq: Sequence, ahead_of_equals: bool) -> None:
+        """Into the waiting queue behind every more urgent request, and behind (a new request)
+        or ahead of (a preempted one) the requests of its own priority."""
+        p = seq.priority
+        at = next((i for i, w in enumerate(self.waiting)
+                   if w.priority > p or (ahead_of_equals and w.priority == p)), len(self.waiting))
         self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
@@ -95,10 +100,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._release(seq)
         seq.reset_for_recompute()
-        # ahead of the waiting requests of its priority, behind the more urgent ones
-        at = next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority),
-                  len(self.waiting))
-        self.waiting.insert(at, seq)
+        self._enqueue(seq, ahead_of_equals=True)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its blocks and slot (also used for aborts)."""

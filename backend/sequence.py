@@ -37,11 +37,11 @@ class Sequence:
         # Precomputed input embeddings (e.g. image patches): prompt position -> [hidden] vector,
         # used instead of the token's embedding row.
         self.input_embeds: dict[int, torch.Tensor] = {}
+        self.priority = 0  # lower runs first (vLLM's convention); ties in arrival order
         # Sessions (volundr.session): the id this request parks its state under when it ends;
         # a parked state to restore at admission (tokens [0, num_computed_tokens) come from
         # it: num_cached_tokens of them).
         self.session_id: str | None = None
-        self.priority = 0  # lower runs first (vLLM's convention); ties in arrival order
         self.resume = None  # volundr.session.Resume
         self.num_cached_tokens = 0
         self.prompt_snap = False  # the runner keeps the state after the prompt (key: seq_id)
