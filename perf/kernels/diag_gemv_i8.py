@@ -3,8 +3,9 @@
 At the engine's batch-1 shapes and 2, 3 and 4 bits: gemv_tc with the engine's config (and
 without early weights), and gemv_i8 configs, each checked against the naive reference first,
 then timed in CUDA graphs over rotating weight copies (bench_quant's time_graph). An i8
-config is `reps,waves,maxnreg,early,digits` (maxnreg 0: uncapped; digits 0: x's digits made
-once outside the timed call, as a producer would, 1: the digits launch before every GEMV).
+config is `reps,waves,maxnreg,early,digits[,splits]` (maxnreg 0: uncapped; digits 0: x's digits
+made once outside the timed call, as a producer would, 1: the digits launch before every GEMV;
+splits: the split-K count instead of the one `waves` gives).
 
     python3 perf/kernels/diag_gemv_i8.py --out $OUT/gemv_i8.json
 
@@ -50,15 +51,20 @@ def bench_case(n: int, k: int, bits: int, cfgs: list, data: dict) -> None:
         return lambda c: gemv_tc(x, *layers[c], bits, 128, out=y, early=early,
                                  **GEMV_TC_CONFIG[bits])
 
-    def i8_fn(reps: int, waves: int, cap: int, early: int, launch: int):
+    def i8_fn(reps: int, waves: int, cap: int, early: int, launch: int, splits: int = 0):
         return lambda c: gi.gemv_i8(x, *layers[c], bits, 128, out=y,
                                     digits=None if launch else digits, reps=reps,
-                                    waves=float(waves), maxnreg=cap or None, early=bool(early))
+                                    waves=float(waves), maxnreg=cap or None, early=bool(early),
+                                    splits=splits or None)
 
     variants = [("tc engine", tc_fn(pdl.EARLY_WEIGHTS.get(bits, 0))), ("tc early 0", tc_fn(0))]
-    for r, w, cap, early, launch in cfgs:
-        name = f"i8 r{r} w{w} cap{cap}{' early' * early}{' +digits' * launch}"
-        variants.append((name, i8_fn(r, w, cap, early, launch)))
+    for cfg in cfgs:
+        r, w, cap, early, launch = cfg[:5]
+        sp = f" s{cfg[5]}" if len(cfg) > 5 and cfg[5] else ""
+        name = f"i8 r{r} w{w}{sp} cap{cap}{' early' * early}{' +digits' * launch}"
+        if (n // 32) % r:
+            continue
+        variants.append((name, i8_fn(*cfg)))
     for name, fn in variants:
         rec = {"n": n, "k": k, "bits": bits, "variant": name, "bytes": nbytes}
         try:
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(f"{n}:{k}" for n, k in SHAPES))
     args = ap.parse_args(argv)
     cfgs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
-    assert all(len(c) == 5 for c in cfgs), "a config is reps,waves,maxnreg,early,digits"
+    assert all(len(c) in (5, 6) for c in cfgs), "reps,waves,maxnreg,early,digits[,splits]"
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from bench_quant import copy_bandwidth
@@ -101,9 +107,9 @@ def main(argv=None) -> int:
     for n, k in shapes:
         for bits in (int(b) for b in args.bits.split(",")):
             bench_case(n, k, bits, cfgs, data)
-    data["seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
+            data["seconds"] = time.time() - t0
+            with open(args.out, "w") as f:  # after every case: a time limit keeps what ran
+                json.dump(data, f, indent=1)
     return 0
 
 
