@@ -40,7 +40,9 @@ memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 --session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
 (volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536
---session-lens 8192,54000 for the product page's 54K-token turn.
+--session-lens 8192,54000 for the product page's 54K-token turn. --long-lens L: single-stream
+decode after an L-token prompt and the memory peak, e.g. mixed:16@8+fp8kv --max-model-len 262144
+--long-lens 239000 for the product page's 239K-token conversation inside 16 GiB.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -427,6 +429,9 @@ def main() -> None:
     ap.add_argument("--session-lens", default="",
                     help="comma-separated turn-1 lengths: turn 2's time to first token resumed "
                     "from the parked session against from scratch (< --max-model-len - 96)")
+    ap.add_argument("--long-lens", default="",
+                    help="comma-separated prompt lengths: single-stream decode tok/s after a "
+                    "prompt of that length, and the GPU memory peak of its prefill and decode")
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="context of the engine (the decode graphs' attention splits are sized "
                     "for it: compare decode numbers at equal values)")
@@ -601,6 +606,18 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
             if slens:  # untimed warm-up: both paths' kernels compile at a short length
                 session_turn(engine, min(256, slens[0]))
             entry["session"] = [session_turn(engine, n) for n in slens]
+            llens = [int(n) for n in args.long_lens.split(",") if n]
+            entry["long"] = []
+            for n in llens:  # decode after a long prompt; peak memory of its prefill + decode
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                t = time.perf_counter()
+                entry["long"].append(decode_rate(engine, 1, n, args.tokens))
+                entry["long"][-1]["wall_s"] = time.perf_counter() - t
+                if cuda:
+                    entry["long"][-1]["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+                    entry["long"][-1]["gpu_mem_reserved_peak_GB"] = (
+                        torch.cuda.max_memory_reserved() / 1e9)
         if cuda:
             entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
         out.append(entry)
