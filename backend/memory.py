@@ -19,8 +19,9 @@ from volundr.model.weights import HOST_PARTS, expected_tensors
 
 GIB = 1 << 30
 MIB = 1 << 20
-# CUDA context, allocator slack and kernel workspaces that no formula below accounts for.
-FIXED_RESERVE_BYTES = 512 * MIB
+# CUDA graph pools, allocator slack and kernel workspaces that no formula below accounts for
+# (the CUDA context itself is outside the allocator's cap).
+FIXED_RESERVE_BYTES = 1024 * MIB
 GPU_PARTS = ("compute", "mtp")
 # `fits` also asks for a minimal KV pool (16 blocks of 16 tokens) besides weights and states.
 MIN_KV_TOKENS = 256
@@ -123,12 +124,18 @@ def kv_bytes_per_token(cfg: VolundrConfig, dtype_bytes: int = 2) -> int:
     return layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
-def activation_reserve(cfg: VolundrConfig, max_num_batched_tokens: int) -> int:
-    """Workspace for one forward step: per batched token, fp32 hidden, gate+up MLP activations
-    and a row of logits (an upper bound: nano-vllm-style runners compute logits only for the last
-    token of each sequence), plus FIXED_RESERVE_BYTES."""
-    per_token = (cfg.hidden_size + 2 * cfg.intermediate_size + cfg.vocab_size) * 4
-    return max_num_batched_tokens * per_token + FIXED_RESERVE_BYTES
+def activation_reserve(cfg: VolundrConfig, max_num_batched_tokens: int,
+                       max_num_seqs: int = 1) -> int:
+    """Workspace for one forward step: per batched token twice its fp32 hidden and gate+up MLP
+    activations (prefill's KDA chunk intermediates and MLP transients are of that size), fp32
+    logits and probabilities for one row per sequence (the runner computes logits only for
+    the rows it samples), plus FIXED_RESERVE_BYTES (CUDA graph pools, dequantisation buffers,
+    attention partials). Measured on an H100 (perf/RESULTS.md, session 25), 2048-token chunks:
+    graphs and the peak of a 239K-token prefill took 0.91-0.96 GiB beside weights, states and
+    KV; this gives 1.63 GiB (the earlier bound, a logits row per batched token, 2.80 GiB)."""
+    per_token = (cfg.hidden_size + 2 * cfg.intermediate_size) * 4 * 2
+    logits = max_num_seqs * cfg.vocab_size * 4 * 2
+    return max_num_batched_tokens * per_token + logits + FIXED_RESERVE_BYTES
 
 
 def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1,
@@ -145,7 +152,7 @@ def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1
     host, _ = weight_bytes(cfg.replace(quantization=None), HOST_PARTS, 2)
     state = state_bytes_per_seq(cfg, dtype_bytes)
     kv = kv_bytes_per_token(cfg, kv_dtype.itemsize)
-    reserve = activation_reserve(cfg, max_num_batched_tokens)
+    reserve = activation_reserve(cfg, max_num_batched_tokens, max_num_seqs)
     if gpu_gib is None:
         budget, tokens, fits = None, max_num_seqs * cfg.max_position_embeddings, True
     else:

@@ -41,8 +41,8 @@ A variant that fails is recorded with its error; the JSON is rewritten after eve
 --session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
 (volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536
 --session-lens 8192,54000 for the product page's 54K-token turn. --long-lens L: single-stream
-decode after an L-token prompt and the memory peak, e.g. mixed:16@8+fp8kv --max-model-len 262144
---long-lens 239000 for the product page's 239K-token conversation inside 16 GiB.
+decode after an L-token prompt and the memory peak, e.g. mixed:16@8+fp8kv --max-num-seqs 1
+--max-model-len 262144 --long-lens 239000: the product page's 239K-token conversation in 16 GiB.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -385,11 +385,13 @@ def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
 
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
           device: str, gpu_gib: float | None = None, decode_steps: int = 1,
-          max_model_len: int = 4096, tp: int = 1, kv_cache_dtype: str = "auto") -> LLMEngine:
+          max_model_len: int = 4096, tp: int = 1, kv_cache_dtype: str = "auto",
+          plan_kv: bool = False, batched_tokens: int = 2048) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
     (a hard cap on the allocator from the engine's construction on). tp > 1: the weights are
-    kept on the host, where rank 0 shards them for the ranks."""
+    kept on the host, where rank 0 shards them for the ranks. plan_kv: the KV pool the memory
+    plan leaves under the budget (as `LLM` sizes it), not room for 4K tokens per sequence."""
     cfg = get_config(preset)
     if variant == "bf16":
         sd = random_state_dict(cfg, device, dtype=torch.bfloat16)
@@ -404,8 +406,16 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
         sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib or tp > 1 else None)
     # KV pool: 4K tokens per sequence, at least one whole max_model_len sequence
     blocks = max(max_num_seqs * 4096, max_model_len) // 16
+    if plan_kv:
+        from volundr.engine import kv_cache_torch_dtype
+        from volundr.llm import _default_kv_blocks
+
+        blocks = _default_kv_blocks(cfg, torch.device(device), gpu_gib, max_num_seqs,
+                                    batched_tokens, max_model_len, 16, tp,
+                                    kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16))
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=2048, max_model_len=max_model_len, block_size=16,
+                        max_num_batched_tokens=batched_tokens, max_model_len=max_model_len,
+                        block_size=16,
                         num_kv_blocks=blocks, cuda_graphs=graphs, gpu_gib=gpu_gib,
                         decode_steps=decode_steps, tensor_parallel_size=tp,
                         kv_cache_dtype=kv_cache_dtype)
@@ -429,6 +439,15 @@ def main() -> None:
     ap.add_argument("--session-lens", default="",
                     help="comma-separated turn-1 lengths: turn 2's time to first token resumed "
                     "from the parked session against from scratch (< --max-model-len - 96)")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="below 16: no batch-16 rows, and the KV pool is the memory plan's "
+                    "under the budget (as the server sizes it), e.g. 1 for the 16gb profile's "
+                    "one conversation")
+    ap.add_argument("--plan-kv", action="store_true",
+                    help="the KV pool the memory plan leaves under the budget (the server's "
+                    "sizing; implied below 16 sequences)")
+    ap.add_argument("--batched-tokens", type=int, default=2048,
+                    help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--long-lens", default="",
                     help="comma-separated prompt lengths: single-stream decode tok/s after a "
                     "prompt of that length, and the GPU memory peak of its prefill and decode")
@@ -558,8 +577,10 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
              kv_cache_dtype="auto") -> list[dict]:
     out = []
     t = time.perf_counter()
-    engine = build(variant, True, 16, args.preset, args.device, float(gib) if gib else None,
-                   int(steps or 1), args.max_model_len, tp, kv_cache_dtype)
+    engine = build(variant, True, args.max_num_seqs, args.preset, args.device,
+                   float(gib) if gib else None, int(steps or 1), args.max_model_len, tp,
+                   kv_cache_dtype, plan_kv=args.plan_kv or args.max_num_seqs < 16,
+                   batched_tokens=args.batched_tokens)
     wbytes = device_weight_bytes(engine)
     graphs = engine.runner.graphs
     built = {"build_s": time.perf_counter() - t,
@@ -593,10 +614,12 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
                  "byte_limit_tok_per_s": hbm_copy_GBps * 1e9 / wbytes}
         decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
         entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
-        entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
+        if args.max_num_seqs >= 16:
+            entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
         if use_graphs:
             entry["single"]["graph_ms"] = graph_ms(engine, 1)
-            entry["batch16"]["graph_ms"] = graph_ms(engine, 16)
+            if args.max_num_seqs >= 16:
+                entry["batch16"]["graph_ms"] = graph_ms(engine, 16)
         if use_graphs or graphs is None:  # prefill never runs in a graph: once per variant
             lens = [int(n) for n in args.prefill_lens.split(",") if n]
             if lens:  # untimed: the first prefill of a length compiles its kernels (run 40)
