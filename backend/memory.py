@@ -21,7 +21,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 # CUDA graph pools, allocator slack and kernel workspaces that no formula below accounts for
 # (the CUDA context itself is outside the allocator's cap).
-FIXED_RESERVE_BYTES = 1024 * MIB
+FIXED_RESERVE_BYTES = 512 * MIB
 GPU_PARTS = ("compute", "mtp")
 # `fits` also asks for a minimal KV pool (16 blocks of 16 tokens) besides weights and states.
 MIN_KV_TOKENS = 256
@@ -129,13 +129,16 @@ def activation_reserve(cfg: VolundrConfig, max_num_batched_tokens: int,
     """Workspace for one forward step: per batched token twice its fp32 hidden and gate+up MLP
     activations (prefill's KDA chunk intermediates and MLP transients are of that size), fp32
     logits and probabilities for one row per sequence (the runner computes logits only for
-    the rows it samples), plus FIXED_RESERVE_BYTES (CUDA graph pools, dequantisation buffers,
-    attention partials). Measured on an H100 (perf/RESULTS.md, session 25), 2048-token chunks:
-    graphs and the peak of a 239K-token prefill took 0.91-0.96 GiB beside weights, states and
-    KV; this gives 1.63 GiB (the earlier bound, a logits row per batched token, 2.80 GiB)."""
+    the rows it samples), prefill's dequantisation buffer (the largest compute linear but
+    lm_head in bf16) and FIXED_RESERVE_BYTES (CUDA graph pools, attention partials, slack).
+    Measured on an H100 (perf/RESULTS.md, session 25), Volundr-32B, 2048-token chunks: graphs
+    and the peak of a 239K-token prefill took 0.91-0.96 GiB beside weights, states and KV; this
+    gives 1.28 GiB (the earlier bound, a logits row per batched token, 2.80 GiB)."""
     per_token = (cfg.hidden_size + 2 * cfg.intermediate_size) * 4 * 2
     logits = max_num_seqs * cfg.vocab_size * 4 * 2
-    return max_num_batched_tokens * per_token + logits + FIXED_RESERVE_BYTES
+    dequant = max((s.shape[0] * s.shape[1] * 2 for n, s in expected_tensors(cfg).items()
+                   if s.linear and s.part in GPU_PARTS and "lm_head" not in n), default=0)
+    return max_num_batched_tokens * per_token + logits + dequant + FIXED_RESERVE_BYTES
 
 
 def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1,
