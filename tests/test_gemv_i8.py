@@ -301,7 +301,9 @@ def test_cuda_gemv_i8(bits, n, k):
     def rel(y, r):
         return ((y.float() - r).norm() / r.norm()).item()
 
-    for kw in ({}, {"splits": 1}, {"early": False, "waves": 8.0}, {"maxnreg": None}):
+    engine_cfg = gi.config(bits, n, k)  # the engine's, SHAPE_CONFIG's tiles of 4 reps included
+    for kw in ({}, {"splits": 1}, {"early": False, "waves": 8.0}, {"maxnreg": None},
+               engine_cfg):
         y = gi.gemv_i8(x, *layer, bits, 128, **kw)
         assert y.dtype == x.dtype and rel(y, ref) < 4e-3, (kw, rel(y, ref))
     gu = torch.randn(1, 2 * k, device="cuda").to(torch.bfloat16)
@@ -312,8 +314,10 @@ def test_cuda_gemv_i8(bits, n, k):
     y = gi.gemv_i8(x, *layer, bits, 128, rscale=(ss, 1e-6))
     assert rel(y, ref * torch.rsqrt(ss.sum() / k + 1e-6)) < 4e-3
     r, w = (torch.randn(1, n, device="cuda").to(torch.bfloat16) for _ in range(2))
-    for kw in ({}, {"splits": 1}):  # the residual epilogue (split-K's last program and not)
-        xs, ss = torch.empty_like(r), torch.full((n // 64,), float("nan"), device="cuda")
+    for kw in ({}, {"splits": 1}, engine_cfg):  # the residual epilogue (split-K's last
+        # program and not)
+        tiles = gi.tiles(n, kw.get("reps", 2))
+        xs, ss = torch.empty_like(r), torch.full((tiles,), float("nan"), device="cuda")
         h = gi.gemv_i8(x, *layer, bits, 128, residual=(r, w, xs, ss), **kw)
         href = (ref.to(torch.bfloat16).float() + r.float()).to(torch.bfloat16).float()
         assert rel(h, href) < 4e-3

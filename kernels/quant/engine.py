@@ -138,7 +138,8 @@ def _takes_gemv_i8(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) 
     """Whether an M = 1 call goes to the integer tensor-core GEMV (VOLUNDR_QUANT_GEMV=i8)."""
     return (GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
             and (bits != 4 or n * k >= I8_MIN_WEIGHTS_4BIT)
-            and gemv_i8.supported(x, bits, group_size, n, k))
+            and gemv_i8.supported(x, bits, group_size, n, k,
+                                     gemv_i8.config(bits, n, k)["reps"]))
 
 
 def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
@@ -155,7 +156,7 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if _takes_gemv_i8(x, k, n, bits, group_size):
         return gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
-                               **gemv_i8.CONFIG[bits])
+                               **gemv_i8.config(bits, n, k))
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
@@ -239,7 +240,7 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
             and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
         return None
     i8 = gscale is None and _takes_gemv_i8(x, k, n, bits, group_size)
-    cfg = gemv_i8.CONFIG[bits] if i8 else tc_config(bits, n, k)
+    cfg = gemv_i8.config(bits, n, k) if i8 else tc_config(bits, n, k)
     tiles = (gemv_i8.tiles(n, cfg["reps"]) if i8
              else gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]))
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
@@ -270,7 +271,7 @@ def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: tor
     if _takes_gemv_i8(xw, xw.shape[1], qa.shape[1], bits, group_size):
         return gemv_i8.gemv_i8(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
                                digits=None if dg is None else digits.views(dg, bits),
-                               **gemv_i8.CONFIG[bits])
+                               **gemv_i8.config(bits, qa.shape[1], xw.shape[1]))
     return gemv_tc.gemv_tc(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
                            **tc_config(bits, qa.shape[1], xw.shape[1]))
 
@@ -294,12 +295,12 @@ def quant_mlp_i8(xw: torch.Tensor, ss: torch.Tensor, eps: float, dg: torch.Tenso
             and residual.dtype == norm_weight.dtype == xw.dtype and sz2.shape[0] * g2 == n1 // 2
             and _takes_gemv_i8(xw, k, n1, b1, g1) and _takes_gemv_i8(xw, n1 // 2, n2, b2, g2)
             and _takes_gemv_tc(xw, n1 // 2, n2, b2, g2)  # (what the down's call checks too)
-            and digits.fits(n1 // 2, 32 * gemv_i8.CONFIG[b1]["reps"])):
+            and digits.fits(n1 // 2, 32 * gemv_i8.config(b1, n1, k)["reps"])):
         return None
     sd = digits.empty(n1 // 2, xw.device)
     gu = gemv_i8.gemv_i8(xw, qa1, qb1, sz1, b1, g1, rscale=(ss, eps), out_swiglu_digits=sd,
                          digits=None if dg is None else digits.views(dg, b1),
-                         **gemv_i8.CONFIG[b1])
+                         **gemv_i8.config(b1, n1, k))
     r = quant_matmul_residual_norm(gu, residual, norm_weight, qa2, qb2, sz2, b2, g2,
                                    swiglu=True, digits_in=sd)
     assert r is not None  # (its conditions were checked above)

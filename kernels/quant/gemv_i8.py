@@ -46,6 +46,16 @@ from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, _store_out, residual_
 # per bit width (H100 run 82): reps (BN = 32 reps), programs per SM, register cap
 CONFIG = {2: dict(reps=2, waves=16.0, maxnreg=168), 3: dict(reps=2, waves=16.0, maxnreg=168),
           4: dict(reps=2, waves=24.0, maxnreg=168)}
+# per (N, K, bits) where another config measured faster (H100 run 101, diag_gemv_i8's sweep of
+# reps, splits and caps; elsewhere CONFIG was best or within 1%): 4-bit at K = 5120 in 128-row
+# tiles, 1360 programs of one set (17408: 19.45 vs 20.23 us) or two (34816: 36.06 vs 36.46 us)
+SHAPE_CONFIG = {(17408, 5120, 4): dict(reps=4, splits=10),
+                (34816, 5120, 4): dict(reps=4, splits=5)}
+
+
+def config(bits: int, n: int, k: int) -> dict:
+    """gemv_i8's keyword arguments for an N x K weight at `bits` (CONFIG, SHAPE_CONFIG)."""
+    return {**CONFIG[bits], **SHAPE_CONFIG.get((n, k, bits), {})}
 
 
 # PDL's trigger at the kernel's top (the default: the next kernel's programs, e.g. the next
