@@ -19,8 +19,7 @@ from volundr.model.weights import HOST_PARTS, expected_tensors
 
 GIB = 1 << 30
 MIB = 1 << 20
-# CUDA graph pools, allocator slack and kernel workspaces that no formula below accounts for
-# (the CUDA context itself is outside the allocator's cap).
+# CUDA context, allocator slack and kernel workspaces that no formula below accounts for.
 FIXED_RESERVE_BYTES = 512 * MIB
 GPU_PARTS = ("compute", "mtp")
 # `fits` also asks for a minimal KV pool (16 blocks of 16 tokens) besides weights and states.
@@ -124,21 +123,17 @@ def kv_bytes_per_token(cfg: VolundrConfig, dtype_bytes: int = 2) -> int:
     return layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
-def activation_reserve(cfg: VolundrConfig, max_num_batched_tokens: int,
-                       max_num_seqs: int = 1) -> int:
-    """Workspace for one forward step: per batched token twice its fp32 hidden and gate+up MLP
-    activations (prefill's KDA chunk intermediates and MLP transients are of that size), fp32
-    logits and probabilities for one row per sequence (the runner computes logits only for
-    the rows it samples), prefill's dequantisation buffer (the largest compute linear but
-    lm_head in bf16) and FIXED_RESERVE_BYTES (CUDA graph pools, attention partials, slack).
-    Measured on an H100 (perf/RESULTS.md, session 25), Volundr-32B, 2048-token chunks: graphs
-    and the peak of a 239K-token prefill took 0.91-0.96 GiB beside weights, states and KV; this
-    gives 1.28 GiB (the earlier bound, a logits row per batched token, 2.80 GiB)."""
-    per_token = (cfg.hidden_size + 2 * cfg.intermediate_size) * 4 * 2
-    logits = max_num_seqs * cfg.vocab_size * 4 * 2
-    dequant = max((s.shape[0] * s.shape[1] * 2 for n, s in expected_tensors(cfg).items()
-                   if s.linear and s.part in GPU_PARTS and "lm_head" not in n), default=0)
-    return max_num_batched_tokens * per_token + logits + dequant + FIXED_RESERVE_BYTES
+def activation_reserve(cfg: VolundrConfig, max_num_batched_tokens: int) -> int:
+    """Workspace for one forward step: per batched token, fp32 hidden, gate+up MLP activations
+    and a row of logits (an upper bound: nano-vllm-style runners compute logits only for the last
+    token of each sequence), plus FIXED_RESERVE_BYTES. The logits term is not what prefill
+    allocates, but the allocator's reserved peak needs the room: measured on an H100 (Volundr-32B,
+    perf/RESULTS.md session 25) graphs plus a prefill's peak took 0.9-1.0 GiB allocated and
+    2.1 GiB reserved at 2048-token chunks (this gives 2.80), 2.2 and 3.7 GiB at 8192 (this gives
+    9.6); a tighter formula (twice the fp32 hidden + MLP per token, logits per sequence) ran
+    out of memory under 46 GiB at 8192-token chunks with 1.4 GiB reserved but unallocated."""
+    per_token = (cfg.hidden_size + 2 * cfg.intermediate_size + cfg.vocab_size) * 4
+    return max_num_batched_tokens * per_token + FIXED_RESERVE_BYTES
 
 
 def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1,
@@ -155,7 +150,7 @@ def plan_memory(cfg: VolundrConfig, gpu_gib: float | None, max_num_seqs: int = 1
     host, _ = weight_bytes(cfg.replace(quantization=None), HOST_PARTS, 2)
     state = state_bytes_per_seq(cfg, dtype_bytes)
     kv = kv_bytes_per_token(cfg, kv_dtype.itemsize)
-    reserve = activation_reserve(cfg, max_num_batched_tokens, max_num_seqs)
+    reserve = activation_reserve(cfg, max_num_batched_tokens)
     if gpu_gib is None:
         budget, tokens, fits = None, max_num_seqs * cfg.max_position_embeddings, True
     else:

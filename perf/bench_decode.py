@@ -413,6 +413,7 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
         blocks = _default_kv_blocks(cfg, torch.device(device), gpu_gib, max_num_seqs,
                                     batched_tokens, max_model_len, 16, tp,
                                     kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16))
+        max_model_len = min(max_model_len, blocks * 16)  # as LLM caps it (with a warning)
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=batched_tokens, max_model_len=max_model_len,
                         block_size=16,
