@@ -17,6 +17,7 @@ from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
 from volundr.session import ParkedSession, SessionStore
+from volundr.speculative import speculate
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
 # format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
@@ -57,11 +58,15 @@ class EngineConfig:
     # keeps its state there until its next turn; 0 turns sessions off. With tensor parallelism
     # this bounds rank 0's copy (every rank parks its own shard).
     session_gib: float = 4.0
+    # Speculative decoding (volundr.speculative; with a drafter given to LLMEngine): guesses
+    # per greedy decode step.
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)  # a clear ValueError if unknown
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "num_kv_blocks", "tensor_parallel_size", "decode_steps"):
+                     "num_kv_blocks", "tensor_parallel_size", "decode_steps",
+                     "num_speculative_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.session_gib < 0:
@@ -90,8 +95,26 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
-                 ecfg: EngineConfig, eos_token_ids: tuple[int, ...]):
+                 ecfg: EngineConfig, eos_token_ids: tuple[int, ...],
+                 draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | None = None):
+        """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): greedy
+        decode steps then check ecfg.num_speculative_tokens of its guesses at once
+        (volundr.speculative)."""
         self.cfg, self.ecfg = cfg, ecfg
+        self.drafter = None
+        self.spec_steps = self.spec_tokens = 0  # speculative steps, the tokens they produced
+        if draft is not None:
+            dcfg, dsd = draft
+            if ecfg.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with tensor parallelism yet")
+            if dcfg.vocab_size != cfg.vocab_size:
+                raise ValueError(f"the drafter's vocabulary ({dcfg.vocab_size}) is not the "
+                                 f"model's ({cfg.vocab_size})")
+            # the same slots and block tables as the model: its own states and KV cache
+            self.drafter = ModelRunner(dcfg, dsd, torch.device(ecfg.device), ecfg.dtype,
+                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
+                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
+                                       kv_dtype=ecfg.kv_dtype)
         self.eos_token_ids = frozenset(eos_token_ids)
         if ecfg.tensor_parallel_size > 1:
             self.runner = TensorParallelRunner(
@@ -175,14 +198,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        steps = self._decode_steps(batch)
+        k = self._speculative_k(batch)
+        steps = 1 if k else self._decode_steps(batch)
         try:
+            if k:
+                tokens = speculate(self.runner, self.drafter, batch, k,
+                                   self.ecfg.max_num_batched_tokens, self._counted)
+                self.spec_steps += 1
+                self.spec_tokens += sum(map(len, tokens))
+                return self._postprocess_steps(batch, tokens)
             if steps > 1:
                 stops = None  # a session's slot must not take in tokens after its stop
                 if self.sessions.capacity_bytes and any(it.seq.session_id for it in batch):
                     stops = [self._stop_ids(it.seq) for it in batch]
+                rows = self.runner.run_decode_steps(batch, steps, stops)
                 return self._postprocess_steps(
-                    batch, self.runner.run_decode_steps(batch, steps, stops))
+                    batch, [[row[i] for row in rows] for i in range(len(batch))])
             tokens = self.runner.run(batch)
             self._save_prompt_states(batch)
             return self._postprocess(batch, tokens)  # (parks sessions: a rank may fail)
@@ -215,23 +246,56 @@ class LLMEngine:
             bm.grow(item.seq, item.seq.num_computed_tokens + k)
         return k
 
+    def _speculative_k(self, batch: list[ScheduledSeq]) -> int:
+        """Guesses per sequence for a speculative step (0: none): with a drafter, for a batch
+        of greedy decodes without input embeddings, at most num_speculative_tokens, room for
+        k + 1 more tokens in every sequence, and the KV blocks for them free (then taken)."""
+        if self.drafter is None:
+            return 0
+        k = self.ecfg.num_speculative_tokens
+        for item in batch:
+            s = item.seq
+            if (item.num_new_tokens != 1 or not item.samples or not s.params.greedy
+                    or s.input_embeds):
+                return 0
+            k = min(k, s.params.max_tokens - s.num_output_tokens - 1,
+                    self.ecfg.max_model_len - s.num_tokens - 1)
+        bm = self.block_manager
+        if k < 1 or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k + 1)
+                        for it in batch) > bm.num_free:
+            return 0
+        for item in batch:
+            bm.grow(item.seq, item.seq.num_computed_tokens + k + 1)
+        return k
+
+    def _counted(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many of `tokens`, appended to seq one by one, it takes (`_postprocess`'s rules:
+        a stop token or a length limit ends it)."""
+        stops = self._stop_ids(seq)
+        for j, t in enumerate(tokens):
+            if (t in stops or seq.num_output_tokens + j + 1 >= seq.params.max_tokens
+                    or seq.num_tokens + j + 1 >= self.ecfg.max_model_len):
+                return j + 1
+        return len(tokens)
+
     def _postprocess_steps(self, batch: list[ScheduledSeq],
                            tokens: list[list[int]]) -> list[RequestOutput]:
-        """tokens [steps][len(batch)]: each step postprocessed as a one-token step; a sequence
-        that stops drops the rest of its tokens (computed, never emitted). One merged output
-        per request."""
+        """tokens[i]: batch[i]'s tokens of this step, each postprocessed as a one-token step;
+        a sequence that stops drops the rest of its tokens (computed, never emitted). One
+        merged output per request."""
         merged: dict[str, RequestOutput] = {}
-        alive = list(enumerate(batch))
-        for row in tokens:
+        alive = [(i, it) for i, it in enumerate(batch) if tokens[i]]
+        for j in range(max(map(len, tokens), default=0)):
             outs = self._postprocess([ScheduledSeq(it.seq, 1) for _, it in alive],
-                                     [row[i] for i, _ in alive])
+                                     [tokens[i][j] for i, _ in alive])
             for o in outs:
                 prev = merged.get(o.request_id)
                 merged[o.request_id] = o if prev is None else RequestOutput(
                     o.request_id, prev.new_token_ids + o.new_token_ids, o.finished,
                     o.finish_reason, o.num_prompt_tokens, o.num_output_tokens,
                     o.num_cached_tokens)
-            alive = [(i, it) for i, it in alive if not merged[it.seq.request_id].finished]
+            alive = [(i, it) for i, it in alive
+                     if not merged[it.seq.request_id].finished and j + 1 < len(tokens[i])]
             if not alive:
                 break
         return list(merged.values())
@@ -328,4 +392,6 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             **self.sessions.stats(),
+            "spec_steps": self.spec_steps,
+            "spec_tokens": self.spec_tokens,
         }

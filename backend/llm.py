@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Iterator
@@ -16,11 +17,14 @@ from volundr.sampling_params import SamplingParams
 
 def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num_seqs: int,
                        max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                       tp: int = 1, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+                       tp: int = 1, kv_dtype: torch.dtype = torch.bfloat16,
+                       draft_cfg=None) -> int:
     """KV pool size: on CUDA what the memory plan leaves for KV under the budget (per GPU:
     with tensor parallelism the plan of one rank's share, `gpu_gib` on each of the tp GPUs),
     at kv_dtype's width (fp8: twice the tokens of bf16); on the CPU room for every sequence at
-    full length."""
+    full length. With a drafter (draft_cfg) its weights, its states, the copies of both
+    models' states that a speculative step keeps, and its KV beside the model's per token come
+    out of the same budget."""
     per_seq = (max_model_len + block_size - 1) // block_size
     if device.type != "cuda":
         return max_num_seqs * per_seq
@@ -31,8 +35,21 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
         gpu_gib = 0.9 * free / 2**30
     from volundr.model.parallel import rank_config
 
-    plan = plan_memory(rank_config(cfg, tp), gpu_gib, max_num_seqs=max_num_seqs,
+    dkv, gib = 0, gpu_gib  # gib: what the model's own plan gets
+    if draft_cfg is not None:
+        d = plan_memory(draft_cfg, None, max_num_seqs, 1, kv_dtype=kv_dtype)
+        t = plan_memory(rank_config(cfg, tp), None, max_num_seqs, 1, kv_dtype=kv_dtype)
+        fixed = d.weights_gpu_bytes + max_num_seqs * (
+            2 * d.state_bytes_per_seq + t.state_bytes_per_seq)
+        gib, dkv = gpu_gib - fixed / 2**30, d.kv_bytes_per_token
+        if gib <= 0:
+            raise ValueError(f"the drafter alone needs {fixed / 2**30:.1f} GiB of the "
+                             f"{gpu_gib:g} GiB GPU budget")
+    plan = plan_memory(rank_config(cfg, tp), gib, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype)
+    if dkv:  # the pool's tokens hold both models' KV
+        kv = plan.kv_bytes_per_token
+        plan = dataclasses.replace(plan, kv_gpu_tokens=plan.kv_gpu_tokens * kv // (kv + dkv))
     if not plan.fits:
         raise ValueError(f"the model does not fit a {gpu_gib:.1f} GiB GPU budget:\n"
                          f"{plan.describe()}")
@@ -51,7 +68,8 @@ class LLM:
                  block_size: int = 16, gpu_gib: float | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
                  tensor_parallel_size: int = 1, decode_steps: int = 1,
-                 kv_cache_dtype: str = "auto", session_gib: float = 4.0):
+                 kv_cache_dtype: str = "auto", session_gib: float = 4.0,
+                 draft_model: str | Path | None = None, num_speculative_tokens: int = 4):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
@@ -61,7 +79,10 @@ class LLM:
         kv_cache_dtype: "auto" (the model dtype), "bf16" or "fp8" (e4m3: about twice the KV
         tokens in a GPU budget; EngineConfig.kv_cache_dtype).
         session_gib: host memory for parked sessions (add_request's session_id;
-        volundr.session)."""
+        volundr.session).
+        draft_model: a drafter checkpoint (Volundr-Draft, the same tokenizer): greedy requests
+        then decode speculatively, num_speculative_tokens guesses checked per step
+        (volundr.speculative; the output is greedy decoding's)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -74,10 +95,14 @@ class LLM:
         self.eos_token_ids = self._eos_ids(cfg)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
+        draft = None
+        if draft_model is not None:
+            draft = load_checkpoint(resolve_model_dir(draft_model), device="cpu")
         if num_kv_blocks is None:
             num_kv_blocks = _default_kv_blocks(cfg, dev, gpu_gib, max_num_seqs,
                                                max_num_batched_tokens, self.max_model_len,
-                                               block_size, tensor_parallel_size, kv_dtype)
+                                               block_size, tensor_parallel_size, kv_dtype,
+                                               None if draft is None else draft[0])
             self.max_model_len = min(self.max_model_len, num_kv_blocks * block_size)
         ecfg = EngineConfig(device=str(dev), dtype=dtype, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
@@ -85,9 +110,10 @@ class LLM:
                             num_kv_blocks=num_kv_blocks, seed=seed,
                             tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib,
                             decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype,
-                            session_gib=session_gib)
-        self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids)
-        del state_dict
+                            session_gib=session_gib,
+                            num_speculative_tokens=num_speculative_tokens)
+        self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids, draft)
+        del state_dict, draft
 
     def close(self) -> None:
         """Stops tensor-parallel workers (a no-op on one device)."""

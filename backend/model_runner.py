@@ -172,6 +172,21 @@ class ModelRunner:
         for c, h in zip(self.kv_caches, kv):
             c[idx] = h[:nb].to(self.device, non_blocking=True)
 
+    @torch.inference_mode()
+    def save_states(self, slots: list[int]) -> list[torch.Tensor]:
+        """Copies (on the device) of the KDA / conv / Engram states of `slots`."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return [t[idx] for t in self.states]  # (advanced indexing copies)
+
+    @torch.inference_mode()
+    def load_states(self, slots: list[int], saved: list[torch.Tensor],
+                    rows: list[int] | None = None) -> None:
+        """`save_states`' copies (or their `rows`) back into `slots`."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        sel = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
+        for t, s in zip(self.states, saved):
+            t[idx] = s if sel is None else s[sel]
+
     def _init_states(self, batch: list[ScheduledSeq]) -> None:
         """Slots of sequences that start this step: zeroed, or a resumed session's state."""
         fresh = []
@@ -292,6 +307,15 @@ class ModelRunner:
             if self.tp.size > 1:  # the next step's input, which every rank's lookups read
                 dist.broadcast(toks[j], src=0)
         return toks.tolist()
+
+    @torch.inference_mode()
+    def greedy_all(self, batch: list[ScheduledSeq]) -> list[list[int]]:
+        """One forward with logits at every token: per item, the greedy next token after each
+        of its new tokens (speculative decoding's check of a drafter's guesses)."""
+        self._init_states(batch)
+        b = self.prepare(batch)
+        ids = self.model.compute_logits(self.model(b)).argmax(dim=-1).tolist()
+        return [ids[b.cu_list[i]:b.cu_list[i + 1]] for i in range(len(batch))]
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -46,6 +46,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.prompt_snap = False  # the runner keeps the state after the prompt (key: seq_id)
         self.embed_digests: dict[int, str] = {}  # input_embeds position -> digest (sessions)
+        # Speculative decoding (volundr.speculative): tokens [0, num_draft_computed) are in the
+        # drafter's state and KV (it catches up lazily, before it drafts).
+        self.num_draft_computed = 0
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,7 @@ class Sequence:
         self.block_table = []
         self.slot = None
         self.num_cached_tokens = 0  # (a running sequence restored its parked state already)
+        self.num_draft_computed = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

@@ -166,6 +166,12 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     # --auto-session goes to the proxy (StackOptions -> its --auto-session)
     assert build_options(parse_args(["--model", str(tiny_dir), "--auto-session"])).auto_session
     assert not build_options(parse_args(["--model", str(tiny_dir)])).auto_session
+    # --drafter (tiny: the demo drafter) and --num-speculative-tokens: the engine's drafter
+    assert engine_kwargs()["draft_model"] is None
+    kw = engine_kwargs("--drafter", "tiny", "--num-speculative-tokens", "3")
+    assert Path(kw["draft_model"]).name == "draft-tiny" and kw["num_speculative_tokens"] == 3
+    with LLM(tiny_dir, **kw) as llm:
+        assert llm.engine.drafter is not None and llm.engine.ecfg.num_speculative_tokens == 3
 
 
 @pytest.mark.server

@@ -64,10 +64,10 @@ def _converter_stamp() -> str:
     return h.hexdigest()[:16]
 
 
-def tiny_checkpoint(cache_dir: Path) -> Path:
-    """The default demo checkpoint, built once per converter version (atomically: tests and
-    `make serve` may race)."""
-    out = cache_dir / "tiny"
+def tiny_checkpoint(cache_dir: Path, preset: str = "tiny") -> Path:
+    """The default demo checkpoint (preset "draft-tiny": its drafter), built once per converter
+    version (atomically: tests and `make serve` may race)."""
+    out = cache_dir / preset
     stamp = _converter_stamp()
     if (out / ".stamp").exists() and (out / ".stamp").read_text() == stamp:
         return out
@@ -75,11 +75,11 @@ def tiny_checkpoint(cache_dir: Path) -> Path:
     from volundr.converter.tiny import build_tiny
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{preset}-", dir=cache_dir))
     tmp.chmod(0o755)
-    build_tiny(tmp, seed=0, preset="tiny")
+    build_tiny(tmp, seed=0 if preset == "tiny" else 1, preset=preset)
     (tmp / ".stamp").write_text(stamp)
-    old = cache_dir / f"tiny-old-{os.getpid()}"
+    old = cache_dir / f"{preset}-old-{os.getpid()}"
     if out.exists():
         out.rename(old)
     try:
@@ -136,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--auto-session", action="store_true",
                     help="OpenAI chat requests without a session_id resume their conversation's "
                     "previous turn (a session id derived from its opening messages)")
+    ap.add_argument("--drafter", help="speculative decoding: a drafter checkpoint directory or "
+                    "Hugging Face repo id (Volundr-Draft, the model's tokenizer; `tiny`: the "
+                    "tiny checkpoint's, built on first use); greedy requests then check its "
+                    "guesses several at a time, with the same output")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="the drafter's guesses per step (with --drafter)")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -173,7 +179,15 @@ def build_options(args: argparse.Namespace):
     changes["tensor_parallel_size"] = args.tp
     changes["max_model_len"] = context_len(model_dir, args.max_model_len or p.max_model_len)
     profile = dataclasses.replace(p, **changes)
-    return StackOptions(model_dir=model_dir, profile=profile, cache_dir=cache, host=args.host,
+    if args.num_speculative_tokens < 1:
+        raise SetupError("--num-speculative-tokens must be at least 1")
+    draft_dir = None
+    if args.drafter == "tiny" and not Path("tiny").is_dir():
+        draft_dir = tiny_checkpoint(cache, "draft-tiny")
+    elif args.drafter:
+        draft_dir = resolve_model(args.drafter, cache)
+    return StackOptions(draft_dir=draft_dir, num_speculative_tokens=args.num_speculative_tokens,
+                        model_dir=model_dir, profile=profile, cache_dir=cache, host=args.host,
                         http_port=args.http_port, grpc_port=args.grpc_port,
                         metrics_port=args.metrics_port, proxy_port=args.proxy_port,
                         served_model_name=args.served_model_name,

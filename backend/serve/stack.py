@@ -43,6 +43,8 @@ class StackOptions:
     reasoning_split: bool = True  # proxy: <think>...</think> -> reasoning_content
     reasoning_opened: bool = False  # proxy: the chat template opens <think> in the prompt
     auto_session: bool = False  # proxy: chat turns without a session_id get one (their opening)
+    draft_dir: Path | None = None  # speculative decoding's drafter checkpoint (volundr.speculative)
+    num_speculative_tokens: int = 4
 
 
 def llm_parameters(o: StackOptions) -> dict[str, str]:
@@ -56,6 +58,8 @@ def llm_parameters(o: StackOptions) -> dict[str, str]:
             "decode_steps": str(p.decode_steps),
             "kv_cache_dtype": p.kv_cache_dtype,
             "session_gib": f"{p.session_gib:g}",
+            "draft_model_dir": "" if o.draft_dir is None else str(o.draft_dir),
+            "num_speculative_tokens": str(o.num_speculative_tokens),
             "max_inflight": str(p.max_inflight),
             "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
 

@@ -38,7 +38,9 @@ def llm_kwargs(params: dict[str, str]) -> dict:
                 tensor_parallel_size=int(params.get("tensor_parallel_size") or 1),
                 decode_steps=int(params.get("decode_steps") or 1),
                 kv_cache_dtype=params.get("kv_cache_dtype") or "auto",
-                session_gib=float(params.get("session_gib") or 4.0))
+                session_gib=float(params.get("session_gib") or 4.0),
+                draft_model=params.get("draft_model_dir") or None,
+                num_speculative_tokens=int(params.get("num_speculative_tokens") or 4))
 
 
 @dataclass(frozen=True)

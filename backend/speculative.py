@@ -1,0 +1,120 @@
+"""Speculative decoding, greedy: a small drafter guesses k tokens, the model checks them at once.
+
+One engine step for a batch of greedy decoding sequences, each with its last sampled token t_0 at
+position p not yet run through the model (its state holds tokens [0, p)):
+
+  1. the drafter catches up on the tokens it has not seen (prompt chunks, tokens accepted
+     earlier: `num_draft_computed`), then runs t_0 and its own guesses one token at a time:
+     d_1 .. d_k (ModelRunner.run_decode_steps, drafter's states and KV);
+  2. the model runs [t_0, d_1, .., d_k] (positions p .. p + k) as one chunk with logits at
+     every position: a_j = argmax, its own next token after t_0, d_1, .., d_j;
+  3. accepted: the longest prefix with d_j == a_{j-1}, n guesses; the step emits a_0 .. a_n
+     (n + 1 tokens): exactly the tokens greedy decoding would have produced one by one, whatever
+     the drafter guessed (up to floating-point ties between the chunked and one-token forms);
+     `m` <= n + 1 of them count when a stop token or a length limit comes first;
+  4. states: the model's KDA / conv state took in k + 1 tokens, the sequence owns the first m
+     (t_0, a_0 .. a_{m-2}). Where m < k + 1 the state saved before step 2 comes back and those m
+     tokens run again (a chunk, no logits); attention KV past them is simply overwritten later.
+     The drafter took in t_0, d_1 .. d_{k-1}: it keeps that when m >= k (at m = k + 1 the
+     catch-up of the next step runs d_k), else its saved state comes back and it catches up.
+
+Stays out (the engine's normal steps run instead): sampled (temperature > 0) requests, prompts
+with input embeddings (the drafter has its own hidden size), tensor parallelism. The state copies
+of step 4 and the drafter's weights, states and KV are outside the GPU memory plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from volundr.model_runner import ModelRunner
+from volundr.scheduler import ScheduledSeq
+from volundr.sequence import Sequence
+
+
+@contextmanager
+def _drafter_view(seqs: list[Sequence]):
+    """The sequences as the drafter's runner must see them: num_computed_tokens = its own."""
+    saved = [s.num_computed_tokens for s in seqs]
+    for s in seqs:
+        s.num_computed_tokens = s.num_draft_computed
+    try:
+        yield
+    finally:
+        for s, n in zip(seqs, saved):
+            s.num_computed_tokens = n
+
+
+@contextmanager
+def _appended(seqs: list[Sequence], extra: list[list[int]]):
+    """Tokens appended to each sequence for one forward (the runner reads token_ids), then
+    taken off again."""
+    for s, e in zip(seqs, extra):
+        s.token_ids += e
+    try:
+        yield
+    finally:
+        for s, e in zip(seqs, extra):
+            if e:
+                del s.token_ids[-len(e):]
+
+
+def catch_up(drafter: ModelRunner, seqs: list[Sequence], chunk: int) -> None:
+    """Runs the drafter over every token it has not seen before each sequence's last one
+    ([num_draft_computed, num_computed_tokens)), at most `chunk` tokens per forward."""
+    while True:
+        todo = [s for s in seqs if s.num_draft_computed < s.num_computed_tokens]
+        if not todo:
+            return
+        batch, budget = [], chunk
+        for s in todo:
+            n = min(s.num_computed_tokens - s.num_draft_computed, budget)
+            if n == 0:
+                break
+            batch.append(ScheduledSeq(s, n))
+            budget -= n
+        with _drafter_view([it.seq for it in batch]):
+            drafter.run(batch)  # (never samples: the last token stays out)
+        for it in batch:
+            it.seq.num_draft_computed += it.num_new_tokens
+
+
+def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
+              chunk: int, counted: Callable[[Sequence, list[int]], int]) -> list[list[int]]:
+    """One speculative step (module doc) over `batch` (greedy sequences decoding one token
+    each, KV blocks grown for k + 1 positions). counted(seq, tokens) -> how many of the
+    emitted tokens count (the engine's stop and length rules). Returns each sequence's
+    counted tokens; the model's and the drafter's states then hold exactly t_0 and the counted
+    tokens but the last."""
+    seqs = [it.seq for it in batch]
+    slots = [s.slot for s in seqs]
+    p = [s.num_computed_tokens for s in seqs]
+    # 1. the drafter's guesses d_1 .. d_k
+    catch_up(drafter, seqs, chunk)
+    saved_draft = drafter.save_states(slots)
+    with _drafter_view(seqs):
+        guesses = drafter.run_decode_steps(batch, k)  # [k][N]
+    drafts = [[row[i] for row in guesses] for i in range(len(seqs))]
+    # 2. the model's tokens after t_0, d_1 .. d_k
+    saved = target.save_states(slots)
+    with _appended(seqs, drafts):
+        greedy = target.greedy_all([ScheduledSeq(s, k + 1) for s in seqs])
+    # 3. accepted guesses; the tokens that count
+    out = []
+    for s, d, a in zip(seqs, drafts, greedy):
+        n = next((j for j in range(k) if d[j] != a[j]), k)
+        out.append(a[:counted(s, a[:n + 1])])
+    # 4. states: the model's back to t_0 and the counted tokens but the last
+    redo = [i for i, toks in enumerate(out) if len(toks) < k + 1]
+    if redo:
+        target.load_states([slots[i] for i in redo], saved, redo)
+        rs = [seqs[i] for i in redo]
+        with _appended(rs, [out[i] for i in redo]):  # inputs t_0, a_0 ..; the last one stays out
+            target.run([ScheduledSeq(seqs[i], len(out[i])) for i in redo])
+    back = [i for i, toks in enumerate(out) if len(toks) < k]
+    if back:
+        drafter.load_states([slots[i] for i in back], saved_draft, back)
+    for i, s in enumerate(seqs):
+        s.num_draft_computed = p[i] if i in back else p[i] + k
+    return out

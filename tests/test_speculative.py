@@ -1,0 +1,189 @@
+"""Speculative decoding (volundr.speculative) on the tiny Volundr (random weights): with any
+drafter, greedy requests produce exactly the tokens of plain greedy decoding — a drafter that
+rarely guesses right (draft-tiny), one that always does (the model itself, fewer engine steps)
+and one in between (the model's weights with noise) — across stop tokens, max_tokens, the
+context limit, sampled requests in the batch, preemption, sessions that park after speculative
+steps, and the engine's stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from volundr.converter.presets import get_config, random_state_dict
+from volundr.engine import EngineConfig, LLMEngine
+from volundr.sampling_params import SamplingParams
+
+EOS = (2, 0)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
+    sd = random_state_dict(cfg, "cpu", dtype=torch.float32, seed=3)
+    dcfg = get_config("draft-tiny", vocab_size=512, eos_token_id=EOS)
+    g = torch.Generator().manual_seed(0)
+    noisy = {n: t + 0.3 * t.std() * torch.randn(t.shape, generator=g) if t.dim() > 1 else t
+             for n, t in sd.items()}
+    return {"cfg": cfg, "sd": sd, "draft": (dcfg, random_state_dict(dcfg, "cpu",
+                                                                    dtype=torch.float32, seed=5)),
+            "self": (cfg, sd), "noisy": (cfg, noisy)}
+
+
+def engine(models, drafter=None, device="cpu", **kw) -> LLMEngine:
+    args = dict(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+                max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=80,
+                num_speculative_tokens=4)
+    args.update(kw)
+    dev = {n: t.to(device) for n, t in models["sd"].items()}
+    draft = None
+    if drafter is not None:
+        dcfg, dsd = models[drafter]
+        draft = (dcfg, {n: t.to(device) for n, t in dsd.items()})
+    return LLMEngine(models["cfg"], dev, EngineConfig(**args), EOS, draft)
+
+
+def run(e: LLMEngine, reqs) -> tuple[dict[str, list[int]], dict[str, str], int]:
+    """reqs [(id, prompt, params)] added together -> (ids, finish reasons, engine steps)."""
+    ids = {rid: [] for rid, *_ in reqs}
+    reasons = {}
+    for rid, prompt, params in reqs:
+        e.add_request(prompt, params, rid)
+    steps = 0
+    while e.has_unfinished():
+        steps += 1
+        for o in e.step():
+            ids[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    return ids, reasons, steps
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (int(L),), generator=g).tolist()
+            for L in torch.randint(5, 40, (n,), generator=g)]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+@pytest.mark.parametrize("drafter", ["draft", "self", "noisy"])
+def test_greedy_output_is_unchanged(models, drafter):
+    """Three requests at once, one with stop tokens that occur in plain greedy's output."""
+    ps = prompts(3)
+    plain_ids, _, _ = run(engine(models), [(f"r{i}", p, greedy(24, ignore_eos=True))
+                                           for i, p in enumerate(ps)])
+    stop = plain_ids["r1"][9]  # a token greedy decoding makes at step 10 of request r1
+    reqs = [("r0", ps[0], greedy(24, ignore_eos=True)),
+            ("r1", ps[1], greedy(24, stop_token_ids=(stop,))), ("r2", ps[2], greedy(17))]
+    want, want_reasons, plain_steps = run(engine(models), reqs)
+    e = engine(models, drafter)
+    got, reasons, steps = run(e, reqs)
+    assert got == want and reasons == want_reasons
+    assert reasons["r1"] == "stop" and stop not in got["r1"]
+    st = e.stats()
+    assert st["spec_steps"] > 0 and st["num_slots_free"] == 4 and st["num_blocks_free"] == 80
+    if drafter == "self":  # every guess right: about k + 1 tokens per step
+        assert st["spec_tokens"] >= 3 * st["spec_steps"] and steps < plain_steps / 2
+    if drafter == "noisy":  # some guesses right, some not: both roll-back paths ran
+        assert st["spec_steps"] < st["spec_tokens"] < 5 * st["spec_steps"]
+
+
+def test_limits_sampling_and_preemption(models):
+    """The context limit mid-step, a sampled request beside greedy ones (normal steps while it
+    runs), and a KV pool small enough to preempt: greedy outputs as without a drafter."""
+    ps = [p[:10] for p in prompts(4, seed=8)]
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
+    for kw, reqs in (
+            (dict(max_model_len=64),  # the 64-token context ends "c" inside a step
+             [("c", [5] * 58, greedy(40, ignore_eos=True)), ("a", ps[0], greedy(9))]),
+            (dict(num_kv_blocks=8, max_model_len=128),  # 4 x 55 tokens: > 8 blocks of 16
+             [("a", ps[0], greedy(45, ignore_eos=True)), ("b", ps[1], sampled),
+              ("d", ps[2], greedy(45, ignore_eos=True)),
+              ("e", ps[3], greedy(45, ignore_eos=True))])):
+        want, want_reasons, _ = run(engine(models, **kw), reqs)
+        e = engine(models, "noisy", **kw)
+        got, reasons, _ = run(e, reqs)
+        assert reasons == want_reasons and e.stats()["spec_steps"] > 0
+        for rid, _, p in reqs:
+            assert (got[rid] == want[rid]) if p.greedy else len(got[rid]) == 12, rid
+        if "c" in got:
+            assert reasons["c"] == "length" and len(got["c"]) == 64 - 58
+        else:
+            assert e.scheduler.num_preemptions > 0
+
+
+def test_session_parked_after_speculative_steps(models):
+    """A session's turn ends in a speculative step (stop token); its next turn resumes from
+    the parked state and equals the same prompt from scratch."""
+    p = prompts(1, seed=4)[0]
+    plain, _, _ = run(engine(models), [("t", p, greedy(20, ignore_eos=True))])
+    t = plain["t"]
+    j = next(j for j in range(5, len(t)) if t[j] not in t[:j])  # a stop token first seen at j
+    stop = t[j]
+    e = engine(models, "noisy")
+    e.add_request(p, greedy(20, stop_token_ids=(stop,)), "t1", session_id="s")
+    turn1 = []
+    while e.has_unfinished():
+        for o in e.step():
+            turn1 += o.new_token_ids
+    assert turn1 == t[:j] and e.stats()["spec_steps"] > 0
+    nxt = p + turn1 + [stop] + [7, 8, 9]
+    e.add_request(nxt, greedy(10, ignore_eos=True), "t2", session_id="s")
+    resumed = []
+    while e.has_unfinished():
+        for o in e.step():
+            resumed += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert cached == len(p) + j  # the stop token itself never ran through the model
+    scratch, _, _ = run(engine(models), [("x", nxt, greedy(10, ignore_eos=True))])
+    assert resumed == scratch["x"]
+
+
+def test_drafter_checks(models):
+    cfg = get_config("tiny", vocab_size=640, eos_token_id=EOS)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(models["cfg"], models["sd"], EngineConfig(device="cpu", dtype=torch.float32,
+                                                            num_kv_blocks=80, max_model_len=256),
+                  EOS, (cfg, random_state_dict(cfg, "cpu", dtype=torch.float32)))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(device="cpu", dtype=torch.float32, num_kv_blocks=80, max_model_len=256,
+                     num_speculative_tokens=0)
+
+
+@CUDA
+def test_cuda_greedy_output_is_unchanged(models):
+    """On CUDA (bf16, decode in CUDA graphs, the drafter's too): the model's own weights as
+    drafter; plain greedy's tokens, fewer steps."""
+    ps = prompts(2)
+    reqs = [(f"r{i}", p, greedy(32, ignore_eos=True)) for i, p in enumerate(ps)]
+    want, _, plain_steps = run(engine(models, device="cuda"), reqs)
+    e = engine(models, "self", device="cuda")
+    got, _, steps = run(e, reqs)
+    # bf16: the chunked check and one-token decode may round a late near-tie apart
+    assert all(got[r][:8] == want[r][:8] for r in want) and steps < plain_steps
+
+
+def test_drafter_in_the_memory_plan():
+    """Under a GPU budget the drafter's weights and states, both models' state copies and its
+    KV per token come out of the model's KV pool (LLM's sizing; pure arithmetic, no GPU)."""
+    from volundr.llm import _default_kv_blocks
+    from volundr.memory import plan_memory
+
+    cfg, dcfg = get_config("volundr-32b-q"), get_config("volundr-draft")
+    cuda = torch.device("cuda")  # (with a budget given, nothing is asked of the device)
+    args = (16.0, 1, 2048, 262144, 16, 1, torch.float8_e4m3fn)
+    alone = _default_kv_blocks(cfg, cuda, *args)
+    with pytest.warns(UserWarning, match="the context is capped"):  # (under 262K tokens)
+        both = _default_kv_blocks(cfg, cuda, *args, draft_cfg=dcfg)
+    t = plan_memory(cfg, 16.0, 1, 2048, kv_dtype=torch.float8_e4m3fn)
+    d = plan_memory(dcfg, None, 1, 1, kv_dtype=torch.float8_e4m3fn)
+    fixed = d.weights_gpu_bytes + 2 * d.state_bytes_per_seq + t.state_bytes_per_seq
+    free = t.kv_gpu_tokens * t.kv_bytes_per_token - fixed  # what the pool had, less the drafter
+    assert both == min(16384, free // (t.kv_bytes_per_token + d.kv_bytes_per_token) // 16)
+    assert both < alone
+    with pytest.raises(ValueError, match="drafter alone"):
+        _default_kv_blocks(cfg, cuda, 0.5, *args[1:], draft_cfg=dcfg)
