@@ -102,7 +102,8 @@ class LLMEngine:
         (volundr.speculative)."""
         self.cfg, self.ecfg = cfg, ecfg
         self.drafter = None
-        self.spec_steps = self.spec_tokens = 0  # speculative steps, the tokens they produced
+        # speculative steps, the sequences they ran (a sequence per step), the tokens they made
+        self.spec_steps = self.spec_seqs = self.spec_tokens = 0
         if draft is not None:
             dcfg, dsd = draft
             if ecfg.tensor_parallel_size > 1:
@@ -205,6 +206,7 @@ class LLMEngine:
                 tokens = speculate(self.runner, self.drafter, batch, k,
                                    self.ecfg.max_num_batched_tokens, self._counted)
                 self.spec_steps += 1
+                self.spec_seqs += len(batch)
                 self.spec_tokens += sum(map(len, tokens))
                 return self._postprocess_steps(batch, tokens)
             if steps > 1:
@@ -393,5 +395,6 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             **self.sessions.stats(),
             "spec_steps": self.spec_steps,
+            "spec_seqs": self.spec_seqs,
             "spec_tokens": self.spec_tokens,
         }

@@ -37,6 +37,11 @@ no graph_ms: rank 0's graph alone would wait for the other ranks' collectives), 
 --variants mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric
 memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs).
 +fp8kv: the attention KV cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv.
++draft: speculative decoding (volundr.speculative) with a random drafter of the preset's
+drafter sizes (volundr-draft; random: few guesses right, the machinery's cost), +draftself with
+the model itself as drafter (every guess right: the upper bound); +kN guesses per step (default
+4); the rows then carry the engine's spec_steps, spec_seqs and spec_tokens (tokens per sequence
+and step: spec_tokens / spec_seqs).
 A variant that fails is recorded with its error; the JSON is rewritten after every variant.
 --session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
 (volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536
@@ -386,7 +391,8 @@ def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
 def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
           device: str, gpu_gib: float | None = None, decode_steps: int = 1,
           max_model_len: int = 4096, tp: int = 1, kv_cache_dtype: str = "auto",
-          plan_kv: bool = False, batched_tokens: int = 2048) -> LLMEngine:
+          plan_kv: bool = False, batched_tokens: int = 2048, draft: str | None = None,
+          spec_k: int = 4) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
     (a hard cap on the allocator from the engine's construction on). tp > 1: the weights are
@@ -404,6 +410,14 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
                                          if quantizable(shapes[m][1], q.group_size)})
         cfg = cfg.replace(quantization=q)
         sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib or tp > 1 else None)
+    pair = None
+    if draft == "self":
+        pair = (cfg, sd)
+    elif draft:
+        dcfg = get_config({"volundr-32b": "volundr-draft", "tiny": "draft-tiny"}.get(preset,
+                                                                                    preset))
+        dsd = random_state_dict(dcfg, device, dtype=torch.bfloat16, seed=1)
+        pair = (dcfg, {n: t.cpu() for n, t in dsd.items()} if gpu_gib else dsd)
     # KV pool: 4K tokens per sequence, at least one whole max_model_len sequence
     blocks = max(max_num_seqs * 4096, max_model_len) // 16
     if plan_kv:
@@ -412,15 +426,16 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
 
         blocks = _default_kv_blocks(cfg, torch.device(device), gpu_gib, max_num_seqs,
                                     batched_tokens, max_model_len, 16, tp,
-                                    kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16))
+                                    kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16),
+                                    None if pair is None else pair[0])
         max_model_len = min(max_model_len, blocks * 16)  # as LLM caps it (with a warning)
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=batched_tokens, max_model_len=max_model_len,
                         block_size=16,
                         num_kv_blocks=blocks, cuda_graphs=graphs, gpu_gib=gpu_gib,
                         decode_steps=decode_steps, tensor_parallel_size=tp,
-                        kv_cache_dtype=kv_cache_dtype)
-    return LLMEngine(cfg, sd, ecfg, eos_token_ids=())
+                        kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=spec_k)
+    return LLMEngine(cfg, sd, ecfg, eos_token_ids=(), draft=pair)
 
 
 def main() -> None:
@@ -496,6 +511,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     variant, _, gib = spec_bits.partition(":")
     tp, all_reduce = 1, os.environ.get("VOLUNDR_TP_ALLREDUCE")  # +symm sets it for one variant
     kv_cache_dtype = "auto"
+    draft, spec_k = None, 4
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -550,6 +566,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             os.environ["VOLUNDR_TP_ALLREDUCE"] = "symm"
         elif sfx == "fp8kv":  # the attention KV cache in fp8 e4m3
             kv_cache_dtype = "fp8"
+        elif sfx in ("draft", "draftself"):  # speculative decoding
+            draft = "self" if sfx == "draftself" else "random"
+        elif sfx[:1] == "k" and sfx[1:].isdigit():
+            spec_k = int(sfx[1:])
         elif sfx[:1] == "s" and sfx[1:].isdigit():
             qengine.GEMV_TC_CONFIG = _with(qengine.GEMV_TC_CONFIG, stages=int(sfx[1:]))
             qengine.GEMM16_TC_CONFIG = _with(qengine.GEMM16_TC_CONFIG, stages=int(sfx[1:]))
@@ -559,9 +579,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                              "dig, nodig, i8late, i8top, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
-                             "fp8kv)")
+                             "fp8kv, draft, draftself, kN)")
     try:
-        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp, kv_cache_dtype)
+        return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp, kv_cache_dtype,
+                        draft, spec_k)
     finally:
         if all_reduce is None:
             os.environ.pop("VOLUNDR_TP_ALLREDUCE", None)
@@ -575,13 +596,13 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
-             kv_cache_dtype="auto") -> list[dict]:
+             kv_cache_dtype="auto", draft=None, spec_k=4) -> list[dict]:
     out = []
     t = time.perf_counter()
     engine = build(variant, True, args.max_num_seqs, args.preset, args.device,
                    float(gib) if gib else None, int(steps or 1), args.max_model_len, tp,
                    kv_cache_dtype, plan_kv=args.plan_kv or args.max_num_seqs < 16,
-                   batched_tokens=args.batched_tokens)
+                   batched_tokens=args.batched_tokens, draft=draft, spec_k=spec_k)
     wbytes = device_weight_bytes(engine)
     graphs = engine.runner.graphs
     built = {"build_s": time.perf_counter() - t,
@@ -644,6 +665,9 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
                         torch.cuda.max_memory_reserved() / 1e9)
         if cuda:
             entry["gpu_mem_peak_decode_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        if draft:
+            st = engine.stats()
+            entry.update({k: st[k] for k in ("spec_steps", "spec_seqs", "spec_tokens")})
         out.append(entry)
         print(json.dumps(entry), flush=True)
     engine.close()

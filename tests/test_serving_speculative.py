@@ -30,7 +30,7 @@ def test_greedy_through_triton_equals_the_engine_without_a_drafter(serving, tiny
             input_ids=ids, max_tokens=24, temperature=0.0, ignore_eos=True))
         served.append(r.as_numpy("output_ids").reshape(-1).tolist())
     after = wait_idle(serving.grpc_url)
-    assert after["spec_steps"] > before["spec_steps"]
+    assert after["spec_steps"] > before["spec_steps"]  # (a random drafter: few guesses kept)
     assert after["num_blocks_free"] == after["num_blocks_total"], after
     with LLM(tiny_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=256,
              max_model_len=2048) as llm:  # no drafter
