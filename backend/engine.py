@@ -101,22 +101,11 @@ class LLMEngine:
         decode steps then check ecfg.num_speculative_tokens of its guesses at once
         (volundr.speculative)."""
         self.cfg, self.ecfg = cfg, ecfg
-        self.drafter = None
-        # speculative steps, the sequences they ran (a sequence per step), the tokens they made
-        self.spec_steps = self.spec_seqs = self.spec_tokens = 0
-        if draft is not None:
-            dcfg, dsd = draft
-            if ecfg.tensor_parallel_size > 1:
-                raise ValueError("speculative decoding does not run with tensor parallelism yet")
-            if dcfg.vocab_size != cfg.vocab_size:
-                raise ValueError(f"the drafter's vocabulary ({dcfg.vocab_size}) is not the "
-                                 f"model's ({cfg.vocab_size})")
-            # the same slots and block tables as the model: its own states and KV cache
-            self.drafter = ModelRunner(dcfg, dsd, torch.device(ecfg.device), ecfg.dtype,
-                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
-                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
-                                       kv_dtype=ecfg.kv_dtype)
-        self.eos_token_ids = frozenset(eos_token_ids)
+        if draft is not None and ecfg.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with tensor parallelism yet")
+        if draft is not None and draft[0].vocab_size != cfg.vocab_size:
+            raise ValueError(f"the drafter's vocabulary ({draft[0].vocab_size}) is not the "
+                             f"model's ({cfg.vocab_size})")
         if ecfg.tensor_parallel_size > 1:
             self.runner = TensorParallelRunner(
                 cfg, state_dict, torch.device(ecfg.device), ecfg.dtype, ecfg.max_num_seqs,
@@ -128,6 +117,18 @@ class LLMEngine:
                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
                                       gpu_budget_gib=ecfg.gpu_gib, kv_dtype=ecfg.kv_dtype)
+        self.drafter = None
+        # speculative steps, the sequences they ran (a sequence per step), the tokens they made
+        self.spec_steps = self.spec_seqs = self.spec_tokens = 0
+        if draft is not None:
+            dcfg, dsd = draft
+            # the same slots and block tables as the model: its own states and KV cache (after
+            # the model's runner: its GPU budget caps the drafter's allocations too)
+            self.drafter = ModelRunner(dcfg, dsd, torch.device(ecfg.device), ecfg.dtype,
+                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
+                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
+                                       kv_dtype=ecfg.kv_dtype)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
