@@ -118,6 +118,39 @@ def test_limits_sampling_and_preemption(models):
             assert e.scheduler.num_preemptions > 0
 
 
+def test_slot_reuse_late_arrivals_and_multi_step_decode(models):
+    """Two slots for five requests (slots reused: the drafter's state starts from zero for each
+    new sequence), requests arriving while others decode, multi-step decode (decode_steps 4)
+    for the steps a sampled request shares: greedy outputs as without a drafter."""
+    ps = prompts(5, seed=9)
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=2)
+    first = [("a", ps[0], greedy(20, ignore_eos=True)), ("b", ps[1], sampled)]
+    later = [(f"l{i}", p, greedy(15 + i, ignore_eos=True)) for i, p in enumerate(ps[2:])]
+
+    def staggered(e: LLMEngine) -> dict[str, list[int]]:
+        ids = {rid: [] for rid, *_ in first + later}
+        for rid, p, sp in first:
+            e.add_request(p, sp, rid)
+        pending, steps = list(later), 0
+        while e.has_unfinished() or pending:
+            steps += 1
+            if pending and steps % 3 == 0:  # one more request every third step
+                rid, p, sp = pending.pop(0)
+                e.add_request(p, sp, rid)
+            for o in e.step():
+                ids[o.request_id] += o.new_token_ids
+        return ids
+
+    kw = dict(max_num_seqs=2, decode_steps=4)
+    want = staggered(engine(models, **kw))
+    e = engine(models, "noisy", **kw)
+    got = staggered(e)
+    for rid, _, p in first + later:
+        assert (got[rid] == want[rid]) if p.greedy else len(got[rid]) == 10, rid
+    st = e.stats()
+    assert st["spec_steps"] > 0 and st["num_slots_free"] == 2 and st["num_blocks_free"] == 80
+
+
 def test_session_parked_after_speculative_steps(models):
     """A session's turn ends in a speculative step (stop token); its next turn resumes from
     the parked state and equals the same prompt from scratch."""
