@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# The longest session id the APIs take (the OpenAI proxy and volundr_llm's input check it).
+MAX_SESSION_ID_CHARS = 256
 
 @dataclass
 class ParkedSession:

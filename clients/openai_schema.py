@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from volundr.chat import validate_tool_choice
+from volundr.session import MAX_SESSION_ID_CHARS
 
 # Request fields travel to Triton as INT32 / INT64 tensors: larger values must not wrap around.
 INT32_MAX = 2**31 - 1
@@ -114,9 +115,9 @@ class _Common(BaseModel):
         v = (self.model_extra or {}).get("session_id")
         if v is None:
             return None
-        if not isinstance(v, str) or not 1 <= len(v) <= 256:
-            raise APIError(400, "session_id must be a string of 1 to 256 characters",
-                           param="session_id")
+        if not isinstance(v, str) or not 1 <= len(v) <= MAX_SESSION_ID_CHARS:
+            raise APIError(400, f"session_id must be a string of 1 to {MAX_SESSION_ID_CHARS} "
+                           "characters", param="session_id")
         return v
 
     def stops(self) -> list[str] | None:

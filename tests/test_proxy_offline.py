@@ -53,7 +53,8 @@ def test_requests_checked_before_triton():
             "'json_schema' is not supported"),
            ({"response_format": "json"}, "response_format"),
            ({"priority": "high"}, "priority"), ({"priority": 2**31}, "priority"),
-           ({"session_id": ""}, "session_id"), ({"session_id": ["a"]}, "session_id")]
+           ({"session_id": ""}, "session_id"), ({"session_id": ["a"]}, "session_id"),
+           ({"session_id": "s" * 257}, "1 to 256 characters")]
 
     async def go():
         transport = httpx.ASGITransport(app=app)

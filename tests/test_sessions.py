@@ -271,3 +271,23 @@ def test_sessions_with_tensor_parallelism(tiny):
     one = make_engine(tiny)
     assert ids2 == run(one, [("a", second, GREEDY, None)])["a"][0]
     assert ids3 == run(one, [("b", third, GREEDY, None)])["b"][0]
+
+
+def test_volundr_llm_session_id_input_is_checked():
+    """volundr_llm's session_id input (llm_inputs, what model.py runs on each request): one
+    string of at most MAX_SESSION_ID_CHARS, else a clear 400-style error."""
+    import numpy as np
+
+    from volundr.serve.llm_inputs import parse_llm_request
+    from volundr.session import MAX_SESSION_ID_CHARS
+
+    def get_with(session):
+        arrays = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32),
+                  "session_id": np.array([s.encode() for s in session], dtype=object)}
+        return arrays.get
+
+    ok = "s" * MAX_SESSION_ID_CHARS
+    assert parse_llm_request(get_with([ok]), 64).session_id == ok
+    for bad in (["s" * (MAX_SESSION_ID_CHARS + 1)], ["a", "b"]):
+        with pytest.raises(ValueError, match="session_id must be one string"):
+            parse_llm_request(get_with(bad), 64)

@@ -15,6 +15,7 @@ import numpy as np
 
 from volundr.sampling_params import SamplingParams
 from volundr.serve.stop import validate_stops
+from volundr.session import MAX_SESSION_ID_CHARS
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -128,8 +129,8 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         raise _bad(str(e)) from None
     stream = bool(_opt(_scalar(get, "stream"), False))
     session = _strings(get("session_id"), "session_id")
-    if len(session) > 1 or any(len(s) > 256 for s in session):
-        raise _bad("session_id must be one string of at most 256 characters")
+    if len(session) > 1 or any(len(s) > MAX_SESSION_ID_CHARS for s in session):
+        raise _bad(f"session_id must be one string of at most {MAX_SESSION_ID_CHARS} characters")
     priority = int(_opt(_scalar(get, "priority"), 0))
     return LLMRequest(prompt, params, stops, stream, session[0] if session else None, priority)
 
