@@ -16,7 +16,7 @@ from volundr.model_runner import ModelRunner
 from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
-from volundr.session import ParkedSession, SessionStore
+from volundr.session import DEFAULT_SESSION_GIB, ParkedSession, SessionStore
 from volundr.speculative import speculate
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
@@ -57,7 +57,7 @@ class EngineConfig:
     # Host memory for parked sessions (volundr.session): a finished request with a session id
     # keeps its state there until its next turn; 0 turns sessions off. With tensor parallelism
     # this bounds rank 0's copy (every rank parks its own shard).
-    session_gib: float = 4.0
+    session_gib: float = DEFAULT_SESSION_GIB
     # Speculative decoding (volundr.speculative; with a drafter given to LLMEngine): guesses
     # per greedy decode step.
     num_speculative_tokens: int = 4

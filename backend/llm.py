@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from volundr.engine import EngineConfig, LLMEngine, RequestOutput, kv_cache_torch_dtype
 from volundr.sampling_params import SamplingParams
+from volundr.session import DEFAULT_SESSION_GIB
 
 
 def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num_seqs: int,
@@ -68,7 +69,7 @@ class LLM:
                  block_size: int = 16, gpu_gib: float | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0,
                  tensor_parallel_size: int = 1, decode_steps: int = 1,
-                 kv_cache_dtype: str = "auto", session_gib: float = 4.0,
+                 kv_cache_dtype: str = "auto", session_gib: float = DEFAULT_SESSION_GIB,
                  draft_model: str | Path | None = None, num_speculative_tokens: int = 4):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 # The longest session id the APIs take (the OpenAI proxy and volundr_llm's input check it).
 MAX_SESSION_ID_CHARS = 256
+# Host memory for parked sessions unless set (EngineConfig.session_gib, LLM, the profiles).
+DEFAULT_SESSION_GIB = 4.0
 
 @dataclass
 class ParkedSession:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from volundr.session import DEFAULT_SESSION_GIB
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -33,7 +35,7 @@ class Profile:
     kv_cache_dtype: str = "auto"
     # host memory for parked sessions (EngineConfig.session_gib): an agent's session waiting
     # on a tool keeps its state here, not on the GPU
-    session_gib: float = 4.0
+    session_gib: float = DEFAULT_SESSION_GIB
 
 
 PROFILES: dict[str, Profile] = {

@@ -21,6 +21,7 @@ from typing import Protocol
 from volundr.sampling_params import SamplingParams
 from volundr.serve.detok import Utf8Boundary, text_delta
 from volundr.serve.stop import find_stop, partial_stop_len
+from volundr.session import DEFAULT_SESSION_GIB
 
 log = logging.getLogger("volundr.serve")
 PREFIX_MIN = 4  # ids of context before a chunk, enough for any decoder's look-behind
@@ -38,7 +39,7 @@ def llm_kwargs(params: dict[str, str]) -> dict:
                 tensor_parallel_size=int(params.get("tensor_parallel_size") or 1),
                 decode_steps=int(params.get("decode_steps") or 1),
                 kv_cache_dtype=params.get("kv_cache_dtype") or "auto",
-                session_gib=float(params.get("session_gib") or 4.0),
+                session_gib=float(params.get("session_gib") or DEFAULT_SESSION_GIB),
                 draft_model=params.get("draft_model_dir") or None,
                 num_speculative_tokens=int(params.get("num_speculative_tokens") or 4))
 
