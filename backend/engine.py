@@ -200,16 +200,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        k = self._speculative_k(batch)
+        k, spec = self._speculative(batch)
         steps = 1 if k else self._decode_steps(batch)
         try:
-            if k:
-                tokens = speculate(self.runner, self.drafter, batch, k,
+            if k:  # the speculative decodes, then the rest of the batch in a forward of its own
+                tokens = speculate(self.runner, self.drafter, spec, k,
                                    self.ecfg.max_num_batched_tokens, self._counted)
                 self.spec_steps += 1
-                self.spec_seqs += len(batch)
+                self.spec_seqs += len(spec)
                 self.spec_tokens += sum(map(len, tokens))
-                return self._postprocess_steps(batch, tokens)
+                outs = self._postprocess_steps(spec, tokens)
+                rest = [it for it in batch if it not in spec]
+                if rest:
+                    toks = self.runner.run(rest)
+                    self._save_prompt_states(rest)
+                    outs += self._postprocess(rest, toks)
+                return outs
             if steps > 1:
                 stops = None  # a session's slot must not take in tokens after its stop
                 if self.sessions.capacity_bytes and any(it.seq.session_id for it in batch):
@@ -249,27 +255,32 @@ class LLMEngine:
             bm.grow(item.seq, item.seq.num_computed_tokens + k)
         return k
 
-    def _speculative_k(self, batch: list[ScheduledSeq]) -> int:
-        """Guesses per sequence for a speculative step (0: none): with a drafter, for a batch
-        of greedy decodes without input embeddings, at most num_speculative_tokens, room for
-        k + 1 more tokens in every sequence, and the KV blocks for them free (then taken)."""
+    def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
+        """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
+        decodes without input embeddings or seeded sampling (volundr.speculative) that have
+        room for 2 more tokens; k at most num_speculative_tokens and room for k + 1 more tokens
+        in each; the KV blocks for them free (then taken). The batch's other items (prefill
+        chunks, the rest) run in a forward of their own."""
         if self.drafter is None:
-            return 0
-        k = self.ecfg.num_speculative_tokens
+            return 0, []
+        room = {}
         for item in batch:
             s = item.seq
-            if (item.num_new_tokens != 1 or not item.samples or not s.params.greedy
-                    or s.input_embeds):
-                return 0
-            k = min(k, s.params.max_tokens - s.num_output_tokens - 1,
-                    self.ecfg.max_model_len - s.num_tokens - 1)
+            if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
+                    and (s.params.seed is None or s.params.greedy)):
+                r = min(s.params.max_tokens - s.num_output_tokens - 1,
+                        self.ecfg.max_model_len - s.num_tokens - 1)
+                if r >= 1:
+                    room[s.seq_id] = r
+        spec = [it for it in batch if it.seq.seq_id in room]
+        k = min([self.ecfg.num_speculative_tokens, *room.values()])
         bm = self.block_manager
-        if k < 1 or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k + 1)
-                        for it in batch) > bm.num_free:
-            return 0
-        for item in batch:
+        if not spec or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k + 1)
+                           for it in spec) > bm.num_free:
+            return 0, []
+        for item in spec:
             bm.grow(item.seq, item.seq.num_computed_tokens + k + 1)
-        return k
+        return k, spec
 
     def _counted(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of `tokens`, appended to seq one by one, it takes (`_postprocess`'s rules:

@@ -264,7 +264,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: list[ScheduledSeq], steps: int,
-                         stop_ids: list[tuple[int, ...]] | None = None) -> list[list[int]]:
+                         stop_ids: list[tuple[int, ...]] | None = None,
+                         greedy: bool = False) -> list[list[int]]:
         """`steps` decode steps of a batch of decoding sequences (one token each, KV blocks
         already grown for every position): step j's input token is step j - 1's sampled token,
         fed on the device (the n-gram window shifts, positions advance), so the host enqueues
@@ -272,7 +273,8 @@ class ModelRunner:
         [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine.
         stop_ids (per sequence, its stop tokens): once a sequence samples one, its later steps
         read and write the scratch slot, so its own slot keeps the state of exactly the tokens
-        the engine counts as computed (a session parks it)."""
+        the engine counts as computed (a session parks it). greedy: argmax whatever the
+        sequences' sampling parameters (a drafter's guesses)."""
         self._init_states(batch)  # (a one-token prompt may start in a decode-only batch)
         b = self.prepare(batch)
         n, bs = len(batch), self.block_size
@@ -303,19 +305,18 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
             if logits is not None:  # rank 0 (tensor parallel: the others got None)
-                toks[j] = self.sampler.sample(logits, seqs)
+                toks[j] = logits.argmax(dim=1) if greedy else self.sampler.sample(logits, seqs)
             if self.tp.size > 1:  # the next step's input, which every rank's lookups read
                 dist.broadcast(toks[j], src=0)
         return toks.tolist()
 
     @torch.inference_mode()
-    def greedy_all(self, batch: list[ScheduledSeq]) -> list[list[int]]:
-        """One forward with logits at every token: per item, the greedy next token after each
-        of its new tokens (speculative decoding's check of a drafter's guesses)."""
+    def logits_all(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """One forward with logits at every token (speculative decoding's check of a
+        drafter's guesses): (logits [T, vocab] fp32, cu: item i's rows cu[i]:cu[i + 1])."""
         self._init_states(batch)
         b = self.prepare(batch)
-        ids = self.model.compute_logits(self.model(b)).argmax(dim=-1).tolist()
-        return [ids[b.cu_list[i]:b.cu_list[i + 1]] for i in range(len(batch))]
+        return self.model.compute_logits(self.model(b)), b.cu_list
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -1,26 +1,32 @@
-"""Speculative decoding, greedy: a small drafter guesses k tokens, the model checks them at once.
+"""Speculative decoding: a small drafter guesses k tokens, the model checks them in one forward.
 
-One engine step for a batch of greedy decoding sequences, each with its last sampled token t_0 at
+One engine step for a batch of decoding sequences, each with its last sampled token t_0 at
 position p not yet run through the model (its state holds tokens [0, p)):
 
   1. the drafter catches up on the tokens it has not seen (prompt chunks, tokens accepted
-     earlier: `num_draft_computed`), then runs t_0 and its own guesses one token at a time:
-     d_1 .. d_k (ModelRunner.run_decode_steps, drafter's states and KV);
+     earlier: `num_draft_computed`), then runs t_0 and its own greedy guesses one token at a
+     time: d_1 .. d_k (ModelRunner.run_decode_steps, drafter's states and KV);
   2. the model runs [t_0, d_1, .., d_k] (positions p .. p + k) as one chunk with logits at
-     every position: a_j = argmax, its own next token after t_0, d_1, .., d_j;
-  3. accepted: the longest prefix with d_j == a_{j-1}, n guesses; the step emits a_0 .. a_n
-     (n + 1 tokens): exactly the tokens greedy decoding would have produced one by one, whatever
-     the drafter guessed (up to floating-point ties between the chunked and one-token forms);
-     `m` <= n + 1 of them count when a stop token or a length limit comes first;
+     every position: row j is its distribution of the token after t_0, d_1, .., d_j;
+  3. greedy requests: a_j = argmax of row j; accepted, the longest prefix with d_j == a_{j-1},
+     n guesses; the step emits a_0 .. a_n (n + 1 tokens): exactly the tokens greedy decoding
+     would have produced one by one, whatever the drafter guessed (up to floating-point ties
+     between the chunked and one-token forms). Sampled requests (`accept_sampled`): speculative
+     sampling with the drafter's guess as a point mass: d_{j+1} is kept with probability
+     p_j(d_{j+1}) (p_j: row j after temperature, top-k, top-p, min-p); the first one dropped is
+     replaced by a draw from p_j without it, and after k kept guesses a draw from p_k follows:
+     every emitted token is distributed as plain sampling's (Leviathan et al. 2023, with
+     q = the one-hot greedy guess). Seeded sampled requests stay out: their tokens must not
+     depend on the batch (the sampler's promise), and k does. Then `m` <= n + 1 of the emitted
+     tokens count when a stop token or a length limit comes first;
   4. states: the model's KDA / conv state took in k + 1 tokens, the sequence owns the first m
      (t_0, a_0 .. a_{m-2}). Where m < k + 1 the state saved before step 2 comes back and those m
      tokens run again (a chunk, no logits); attention KV past them is simply overwritten later.
      The drafter took in t_0, d_1 .. d_{k-1}: it keeps that when m >= k (at m = k + 1 the
      catch-up of the next step runs d_k), else its saved state comes back and it catches up.
 
-Stays out (the engine's normal steps run instead): sampled (temperature > 0) requests, prompts
-with input embeddings (the drafter has its own hidden size), tensor parallelism. The state copies
-of step 4 and the drafter's weights, states and KV are outside the GPU memory plan.
+Stays out (the engine's normal steps run instead): seeded sampled requests, prompts with input
+embeddings (the drafter has its own hidden size), tensor parallelism.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 
+import torch
+
 from volundr.model_runner import ModelRunner
+from volundr.sampler import apply_filters
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 
@@ -80,13 +89,37 @@ def catch_up(drafter: ModelRunner, seqs: list[Sequence], chunk: int) -> None:
             it.seq.num_draft_computed += it.num_new_tokens
 
 
+def accept_sampled(logits: torch.Tensor, guesses: list[int], seq: Sequence,
+                   gen: torch.Generator) -> list[int]:
+    """Speculative sampling against one-hot guesses (module doc, step 3): logits [k + 1, V]
+    of the model after t_0, d_1 .. d_k; returns the n kept guesses and one drawn token."""
+    p, dev = seq.params, logits.device
+    rows = logits.shape[0]
+    probs = apply_filters(logits, torch.full((rows,), p.temperature, device=dev),
+                          torch.full((rows,), p.top_k, dtype=torch.long, device=dev),
+                          torch.full((rows,), p.top_p, device=dev),
+                          torch.full((rows,), p.min_p, device=dev))
+    u = torch.rand(len(guesses), generator=gen, device=dev).tolist()
+    kept = probs[torch.arange(len(guesses), device=dev),
+                 torch.tensor(guesses, device=dev)].tolist()  # p_j(d_{j+1})
+    out = []
+    for j, d in enumerate(guesses):
+        if u[j] < kept[j]:
+            out.append(d)
+            continue
+        rest = probs[j].clone()  # p_j - one_hot(d), negative part dropped, renormalised
+        rest[d] = 0.0
+        return out + [int(torch.multinomial(rest / rest.sum(), 1, generator=gen))]
+    return out + [int(torch.multinomial(probs[len(guesses)], 1, generator=gen))]
+
+
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
               chunk: int, counted: Callable[[Sequence, list[int]], int]) -> list[list[int]]:
-    """One speculative step (module doc) over `batch` (greedy sequences decoding one token
-    each, KV blocks grown for k + 1 positions). counted(seq, tokens) -> how many of the
-    emitted tokens count (the engine's stop and length rules). Returns each sequence's
-    counted tokens; the model's and the drafter's states then hold exactly t_0 and the counted
-    tokens but the last."""
+    """One speculative step (module doc) over `batch` (sequences decoding one token each, none
+    seeded and sampled, KV blocks grown for k + 1 positions). counted(seq, tokens) -> how
+    many of the emitted tokens count (the engine's stop and length rules). Returns each
+    sequence's counted tokens; the model's and the drafter's states then hold exactly t_0 and
+    the counted tokens but the last."""
     seqs = [it.seq for it in batch]
     slots = [s.slot for s in seqs]
     p = [s.num_computed_tokens for s in seqs]
@@ -94,17 +127,22 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     catch_up(drafter, seqs, chunk)
     saved_draft = drafter.save_states(slots)
     with _drafter_view(seqs):
-        guesses = drafter.run_decode_steps(batch, k)  # [k][N]
+        guesses = drafter.run_decode_steps(batch, k, greedy=True)  # [k][N]
     drafts = [[row[i] for row in guesses] for i in range(len(seqs))]
-    # 2. the model's tokens after t_0, d_1 .. d_k
+    # 2. the model's distributions after t_0, d_1 .. d_k
     saved = target.save_states(slots)
     with _appended(seqs, drafts):
-        greedy = target.greedy_all([ScheduledSeq(s, k + 1) for s in seqs])
-    # 3. accepted guesses; the tokens that count
+        logits, cu = target.logits_all([ScheduledSeq(s, k + 1) for s in seqs])
+    greedy = logits.argmax(dim=-1).tolist()
+    # 3. accepted guesses and the token after them; the tokens that count
     out = []
-    for s, d, a in zip(seqs, drafts, greedy):
-        n = next((j for j in range(k) if d[j] != a[j]), k)
-        out.append(a[:counted(s, a[:n + 1])])
+    for i, (s, d) in enumerate(zip(seqs, drafts)):
+        if s.params.greedy:
+            a = greedy[cu[i]:cu[i + 1]]
+            toks = a[:next((j for j in range(k) if d[j] != a[j]), k) + 1]
+        else:
+            toks = accept_sampled(logits[cu[i]:cu[i + 1]], d, s, target.sampler.generator)
+        out.append(toks[:counted(s, toks)])
     # 4. states: the model's back to t_0 and the counted tokens but the last
     redo = [i for i, toks in enumerate(out) if len(toks) < k + 1]
     if redo:
