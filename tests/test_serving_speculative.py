@@ -1,6 +1,7 @@
 """Speculative decoding through the real servers (conftest.py's `volundr-serve` runs with
 `--drafter tiny`): greedy requests over tritonclient and the OpenAI SDK give the tokens of the
-offline engine without a drafter, and the engine's stats count speculative steps."""
+offline engine without a drafter, sampled ones decode speculatively too, and the engine's stats
+count speculative steps."""
 
 from __future__ import annotations
 
@@ -47,5 +48,9 @@ def test_openai_greedy_and_sampled_with_a_drafter(serving):
     b = client.completions.create(temperature=0.0, stream=True, **kw)
     text = "".join(c.choices[0].text for c in b if c.choices)
     assert a.usage.completion_tokens == 12 and text == a.choices[0].text
-    s = client.completions.create(temperature=0.9, seed=3, **kw)  # no speculation
+    s = client.completions.create(temperature=0.9, seed=3, **kw)  # seeded: not speculative
     assert s.usage.completion_tokens == 12
+    before = engine_stats(serving.grpc_url)["spec_seqs"]
+    u = client.completions.create(temperature=0.9, **kw)  # speculative sampling
+    assert u.usage.completion_tokens == 12
+    assert engine_stats(serving.grpc_url)["spec_seqs"] > before
