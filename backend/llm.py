@@ -70,7 +70,8 @@ class LLM:
                  num_kv_blocks: int | None = None, seed: int = 0,
                  tensor_parallel_size: int = 1, decode_steps: int = 1,
                  kv_cache_dtype: str = "auto", session_gib: float = DEFAULT_SESSION_GIB,
-                 draft_model: str | Path | None = None, num_speculative_tokens: int = 4):
+                 draft_model: str | Path | None = None,
+                 num_speculative_tokens: int | None = None):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
@@ -82,7 +83,8 @@ class LLM:
         session_gib: host memory for parked sessions (add_request's session_id;
         volundr.session).
         draft_model: a drafter checkpoint (Volundr-Draft, the same tokenizer): greedy requests
-        then decode speculatively, num_speculative_tokens guesses checked per step
+        then decode speculatively, num_speculative_tokens guesses checked per step (None:
+        EngineConfig's default)
         (volundr.speculative; the output is greedy decoding's)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
@@ -112,7 +114,8 @@ class LLM:
                             tensor_parallel_size=tensor_parallel_size, gpu_gib=gpu_gib,
                             decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype,
                             session_gib=session_gib,
-                            num_speculative_tokens=num_speculative_tokens)
+                            **({} if num_speculative_tokens is None
+                               else {"num_speculative_tokens": num_speculative_tokens}))
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids, draft)
         del state_dict, draft
 

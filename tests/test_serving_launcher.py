@@ -133,6 +133,7 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     EngineConfig and caches."""
     from google.protobuf import json_format
 
+    from volundr.engine import EngineConfig
     from volundr.llm import LLM
     from volundr.serve.launcher import build_options, parse_args
     from volundr.serve.stack import llm_parameters
@@ -172,6 +173,10 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     assert Path(kw["draft_model"]).name == "draft-tiny" and kw["num_speculative_tokens"] == 3
     with LLM(tiny_dir, **kw) as llm:
         assert llm.engine.drafter is not None and llm.engine.ecfg.num_speculative_tokens == 3
+    kw = engine_kwargs("--drafter", "tiny")  # k unset: the engine's default
+    assert kw["num_speculative_tokens"] is None
+    with LLM(tiny_dir, **kw) as llm:
+        assert llm.engine.ecfg.num_speculative_tokens == EngineConfig.num_speculative_tokens
 
 
 @pytest.mark.server

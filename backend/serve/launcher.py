@@ -140,8 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "Hugging Face repo id (Volundr-Draft, the model's tokenizer; `tiny`: the "
                     "tiny checkpoint's, built on first use); greedy requests then check its "
                     "guesses several at a time, with the same output")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4,
-                    help="the drafter's guesses per step (with --drafter)")
+    ap.add_argument("--num-speculative-tokens", type=int,
+                    help="the drafter's guesses per step (with --drafter; default 4, the "
+                    "engine's)")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -179,7 +180,7 @@ def build_options(args: argparse.Namespace):
     changes["tensor_parallel_size"] = args.tp
     changes["max_model_len"] = context_len(model_dir, args.max_model_len or p.max_model_len)
     profile = dataclasses.replace(p, **changes)
-    if args.num_speculative_tokens < 1:
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         raise SetupError("--num-speculative-tokens must be at least 1")
     draft_dir = None
     if args.drafter == "tiny" and not Path("tiny").is_dir():

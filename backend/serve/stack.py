@@ -44,7 +44,7 @@ class StackOptions:
     reasoning_opened: bool = False  # proxy: the chat template opens <think> in the prompt
     auto_session: bool = False  # proxy: chat turns without a session_id get one (their opening)
     draft_dir: Path | None = None  # speculative decoding's drafter checkpoint (volundr.speculative)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # None: the engine's default
 
 
 def llm_parameters(o: StackOptions) -> dict[str, str]:
@@ -59,7 +59,7 @@ def llm_parameters(o: StackOptions) -> dict[str, str]:
             "kv_cache_dtype": p.kv_cache_dtype,
             "session_gib": f"{p.session_gib:g}",
             "draft_model_dir": "" if o.draft_dir is None else str(o.draft_dir),
-            "num_speculative_tokens": str(o.num_speculative_tokens),
+            "num_speculative_tokens": str(o.num_speculative_tokens or ""),
             "max_inflight": str(p.max_inflight),
             "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
 
