@@ -58,8 +58,8 @@ class EngineConfig:
     # keeps its state there until its next turn; 0 turns sessions off. With tensor parallelism
     # this bounds rank 0's copy (every rank parks its own shard).
     session_gib: float = DEFAULT_SESSION_GIB
-    # Speculative decoding (volundr.speculative; with a drafter given to LLMEngine): guesses
-    # per greedy decode step.
+    # Speculative decoding (volundr.speculative; with a drafter given to LLMEngine): the
+    # drafter's guesses per decode step.
     num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
@@ -97,8 +97,8 @@ class LLMEngine:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  ecfg: EngineConfig, eos_token_ids: tuple[int, ...],
                  draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | None = None):
-        """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): greedy
-        decode steps then check ecfg.num_speculative_tokens of its guesses at once
+        """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): decode
+        steps then check ecfg.num_speculative_tokens of its guesses at once
         (volundr.speculative)."""
         self.cfg, self.ecfg = cfg, ecfg
         if draft is not None and ecfg.tensor_parallel_size > 1:
