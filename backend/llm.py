@@ -82,10 +82,10 @@ class LLM:
         tokens in a GPU budget; EngineConfig.kv_cache_dtype).
         session_gib: host memory for parked sessions (add_request's session_id;
         volundr.session).
-        draft_model: a drafter checkpoint (Volundr-Draft, the same tokenizer): greedy requests
-        then decode speculatively, num_speculative_tokens guesses checked per step (None:
-        EngineConfig's default)
-        (volundr.speculative; the output is greedy decoding's)."""
+        draft_model: a drafter checkpoint (Volundr-Draft, the same tokenizer): requests then
+        decode speculatively, num_speculative_tokens guesses checked per step (None:
+        EngineConfig's default; volundr.speculative: greedy output unchanged, sampled output
+        from the model's distribution; seeded sampled requests decode as before)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -138,8 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "previous turn (a session id derived from its opening messages)")
     ap.add_argument("--drafter", help="speculative decoding: a drafter checkpoint directory or "
                     "Hugging Face repo id (Volundr-Draft, the model's tokenizer; `tiny`: the "
-                    "tiny checkpoint's, built on first use); greedy requests then check its "
-                    "guesses several at a time, with the same output")
+                    "tiny checkpoint's, built on first use); the model then checks its "
+                    "guesses several at a time: greedy output unchanged, sampled output from "
+                    "the model's distribution")
     ap.add_argument("--num-speculative-tokens", type=int,
                     help="the drafter's guesses per step (with --drafter; default 4, the "
                     "engine's)")
