@@ -231,6 +231,10 @@ def test_drafter_checks(models):
         LLMEngine(models["cfg"], models["sd"], EngineConfig(device="cpu", dtype=torch.float32,
                                                             num_kv_blocks=80, max_model_len=256),
                   EOS, (cfg, random_state_dict(cfg, "cpu", dtype=torch.float32)))
+    with pytest.raises(ValueError, match="tensor parallelism"):  # (before any rank starts)
+        LLMEngine(models["cfg"], models["sd"], EngineConfig(
+            device="cpu", dtype=torch.float32, num_kv_blocks=80, max_model_len=256,
+            tensor_parallel_size=2), EOS, models["draft"])
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(device="cpu", dtype=torch.float32, num_kv_blocks=80, max_model_len=256,
                      num_speculative_tokens=0)
