@@ -96,8 +96,9 @@ def test_greedy_output_is_unchanged(models, drafter):
 
 
 def test_limits_sampling_and_preemption(models):
-    """The context limit mid-step, a sampled request beside greedy ones (normal steps while it
-    runs), and a KV pool small enough to preempt: greedy outputs as without a drafter."""
+    """The context limit mid-step, a seeded sampled request beside greedy ones (outside
+    speculation: its own forward in the same steps), and a KV pool small enough to preempt:
+    every output as without a drafter (a seeded request's tokens do not depend on the batch)."""
     ps = [p[:10] for p in prompts(4, seed=8)]
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
     for kw, reqs in (
@@ -111,8 +112,7 @@ def test_limits_sampling_and_preemption(models):
         e = engine(models, "noisy", **kw)
         got, reasons, _ = run(e, reqs)
         assert reasons == want_reasons and e.stats()["spec_steps"] > 0
-        for rid, _, p in reqs:
-            assert (got[rid] == want[rid]) if p.greedy else len(got[rid]) == 12, rid
+        assert got == want
         if "c" in got:
             assert reasons["c"] == "length" and len(got["c"]) == 64 - 58
         else:
@@ -122,7 +122,7 @@ def test_limits_sampling_and_preemption(models):
 def test_slot_reuse_late_arrivals_and_multi_step_decode(models):
     """Two slots for five requests (slots reused: the drafter's state starts from zero for each
     new sequence), requests arriving while others decode, multi-step decode (decode_steps 4)
-    for the steps a sampled request shares: greedy outputs as without a drafter."""
+    for the steps a seeded sampled request shares: every output as without a drafter."""
     ps = prompts(5, seed=9)
     sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=2)
     first = [("a", ps[0], greedy(20, ignore_eos=True)), ("b", ps[1], sampled)]
@@ -146,8 +146,7 @@ def test_slot_reuse_late_arrivals_and_multi_step_decode(models):
     want = staggered(engine(models, **kw))
     e = engine(models, "noisy", **kw)
     got = staggered(e)
-    for rid, _, p in first + later:
-        assert (got[rid] == want[rid]) if p.greedy else len(got[rid]) == 10, rid
+    assert got == want and len(got["b"]) == 10
     st = e.stats()
     assert st["spec_steps"] > 0 and st["num_slots_free"] == 2 and st["num_blocks_free"] == 80
 
