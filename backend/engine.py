@@ -201,21 +201,19 @@ class LLMEngine:
         if not batch:
             return []
         k, spec = self._speculative(batch)
+        outs: list[RequestOutput] = []
+        if k:  # the speculative decodes, then the rest of the batch in a forward of its own
+            tokens = speculate(self.runner, self.drafter, spec, k,
+                               self.ecfg.max_num_batched_tokens, self._counted)
+            self.spec_steps += 1
+            self.spec_seqs += len(spec)
+            self.spec_tokens += sum(map(len, tokens))
+            outs = self._postprocess_steps(spec, tokens)
+            batch = [it for it in batch if it not in spec]
+            if not batch:
+                return outs
         steps = 1 if k else self._decode_steps(batch)
         try:
-            if k:  # the speculative decodes, then the rest of the batch in a forward of its own
-                tokens = speculate(self.runner, self.drafter, spec, k,
-                                   self.ecfg.max_num_batched_tokens, self._counted)
-                self.spec_steps += 1
-                self.spec_seqs += len(spec)
-                self.spec_tokens += sum(map(len, tokens))
-                outs = self._postprocess_steps(spec, tokens)
-                rest = [it for it in batch if it not in spec]
-                if rest:
-                    toks = self.runner.run(rest)
-                    self._save_prompt_states(rest)
-                    outs += self._postprocess(rest, toks)
-                return outs
             if steps > 1:
                 stops = None  # a session's slot must not take in tokens after its stop
                 if self.sessions.capacity_bytes and any(it.seq.session_id for it in batch):
@@ -225,7 +223,7 @@ class LLMEngine:
                     batch, [[row[i] for row in rows] for i in range(len(batch))])
             tokens = self.runner.run(batch)
             self._save_prompt_states(batch)
-            return self._postprocess(batch, tokens)  # (parks sessions: a rank may fail)
+            return outs + self._postprocess(batch, tokens)  # (parks sessions: a rank may fail)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
             for rid in list(self.requests):
                 self.abort(rid)
@@ -282,15 +280,20 @@ class LLMEngine:
             bm.grow(item.seq, item.seq.num_computed_tokens + k + 1)
         return k, spec
 
+    def _end_reason(self, seq: Sequence, tok: int, pending: int = 0) -> str | None:
+        """Why seq ends at `tok`, its newest token with `pending` more tokens still to be
+        appended before it counts ("stop": a stop or eos token, "length"), or None."""
+        if tok in self._stop_ids(seq):
+            return "stop"
+        if (seq.num_output_tokens + pending >= seq.params.max_tokens
+                or seq.num_tokens + pending >= self.ecfg.max_model_len):
+            return "length"
+        return None
+
     def _counted(self, seq: Sequence, tokens: list[int]) -> int:
-        """How many of `tokens`, appended to seq one by one, it takes (`_postprocess`'s rules:
-        a stop token or a length limit ends it)."""
-        stops = self._stop_ids(seq)
-        for j, t in enumerate(tokens):
-            if (t in stops or seq.num_output_tokens + j + 1 >= seq.params.max_tokens
-                    or seq.num_tokens + j + 1 >= self.ecfg.max_model_len):
-                return j + 1
-        return len(tokens)
+        """How many of `tokens`, appended to seq one by one, it takes (`_end_reason`)."""
+        return next((j + 1 for j, t in enumerate(tokens) if self._end_reason(seq, t, j + 1)),
+                    len(tokens))
 
     def _postprocess_steps(self, batch: list[ScheduledSeq],
                            tokens: list[list[int]]) -> list[RequestOutput]:
@@ -323,15 +326,9 @@ class LLMEngine:
                 continue
             tok = next(it)
             seq.token_ids.append(tok)
-            p = seq.params
-            reason = None
-            hidden = False  # a stop or eos token ends the request without being emitted
-            if tok in self._stop_ids(seq):
-                reason, hidden = "stop", True
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.ecfg.max_model_len:
-                reason = "length"
+            reason = self._end_reason(seq, tok)
             new = seq.output_token_ids[seq.num_emitted:]
-            if hidden:
+            if reason == "stop":  # a stop or eos token ends the request without being emitted
                 new = new[:-1]
             seq.num_emitted += len(new)
             if reason is not None:

@@ -29,7 +29,7 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
     per_seq = (max_model_len + block_size - 1) // block_size
     if device.type != "cuda":
         return max_num_seqs * per_seq
-    from volundr.memory import plan_memory
+    from volundr.memory import kv_bytes_per_token, plan_memory, state_bytes_per_seq, weight_bytes
 
     if gpu_gib is None:
         free, _ = torch.cuda.mem_get_info(device)
@@ -38,11 +38,9 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
 
     dkv, gib = 0, gpu_gib  # gib: what the model's own plan gets
     if draft_cfg is not None:
-        d = plan_memory(draft_cfg, None, max_num_seqs, 1, kv_dtype=kv_dtype)
-        t = plan_memory(rank_config(cfg, tp), None, max_num_seqs, 1, kv_dtype=kv_dtype)
-        fixed = d.weights_gpu_bytes + max_num_seqs * (
-            2 * d.state_bytes_per_seq + t.state_bytes_per_seq)
-        gib, dkv = gpu_gib - fixed / 2**30, d.kv_bytes_per_token
+        fixed = weight_bytes(draft_cfg)[0] + max_num_seqs * (
+            2 * state_bytes_per_seq(draft_cfg) + state_bytes_per_seq(rank_config(cfg, tp)))
+        gib, dkv = gpu_gib - fixed / 2**30, kv_bytes_per_token(draft_cfg, kv_dtype.itemsize)
         if gib <= 0:
             raise ValueError(f"the drafter alone needs {fixed / 2**30:.1f} GiB of the "
                              f"{gpu_gib:g} GiB GPU budget")
