@@ -24,6 +24,25 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def check_room(device: torch.device, budget_bytes: int | None, need: int) -> None:
+    """Raises RuntimeError unless `need` bytes fit what the allocator may still take. An
+    out-of-memory inside a capture does not raise: it ends the process ("Fatal Python
+    error: Aborted", H100 run 75), so the room is checked before. The capture allocates from
+    the graphs' private pool, which cannot take blocks cached in the default one (they are
+    handed back first); blocks a larger capture left free in the pool count as room."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    room = free
+    if budget_bytes is not None:
+        room = min(room, budget_bytes - reserved)
+    room += reserved - torch.cuda.memory_allocated(device)  # free blocks of the graph pool
+    margin = need // 8 + 16 * 2**20  # segment rounding, fragmentation
+    if need + margin > room:
+        raise RuntimeError(f"no room to capture a CUDA graph: it needs ~{need / 2**20:.0f}"
+                           f" MiB, {max(room, 0) / 2**20:.0f} MiB is left under the budget")
+
+
 class CUDAGraphRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, max_bs: int,
                  max_blocks: int, max_model_len: int, scratch_slot: int, tp: bool = False,
@@ -68,23 +87,7 @@ class CUDAGraphRunner:
         return self.model.compute_logits(self.model(b))
 
     def _check_room(self, need: int) -> None:
-        """Raises RuntimeError unless `need` bytes fit what the allocator may still take. An
-        out-of-memory inside a capture does not raise: it ends the process ("Fatal Python
-        error: Aborted", H100 run 75), so the room is checked before. The capture allocates from
-        the graphs' private pool, which cannot take blocks cached in the default one (they are
-        handed back first); blocks a larger capture left free in the pool count as room."""
-        torch.cuda.empty_cache()
-        dev = self.device
-        free, total = torch.cuda.mem_get_info(dev)
-        reserved = torch.cuda.memory_reserved(dev)
-        room = free
-        if self.budget_bytes is not None:
-            room = min(room, self.budget_bytes - reserved)
-        room += reserved - torch.cuda.memory_allocated(dev)  # free blocks of the graph pool
-        margin = need // 8 + 16 * 2**20  # segment rounding, fragmentation
-        if need + margin > room:
-            raise RuntimeError(f"no room to capture the decode graph: it needs ~{need / 2**20:.0f}"
-                               f" MiB, {max(room, 0) / 2**20:.0f} MiB is left under the budget")
+        check_room(self.device, self.budget_bytes, need)
 
     @torch.inference_mode()
     def _capture(self, bs: int) -> None:
@@ -139,3 +142,120 @@ class CUDAGraphRunner:
         self.graphs[bs].replay()
         logits = self.logits[bs]
         return None if logits is None else logits[:n]
+
+
+class CheckGraphs:
+    """Graphs of speculative checks and their commits (ModelRunner.check / commit): for each
+    captured n, a check of n sequences x L rows and the commit that reads what it stashed.
+    Padding sequences have slot -1 (the recurrent kernels skip them) and rows that store no KV
+    and see a context of 1, like the decode graphs' padding."""
+
+    def __init__(self, model, device: torch.device, L: int, max_n: int, max_blocks: int,
+                 max_model_len: int, logits: bool, budget_bytes: int | None = None):
+        """logits: the checks end in the logits of every row (the model's check), or in the
+        hidden states only (a drafter catching up). Raises RuntimeError where a size cannot be
+        captured (the runner then checks eagerly)."""
+        from volundr.model import ForwardBatch
+
+        self.model, self.L, self.max_n, self.logits = model, L, max_n, logits
+        self.device, self.budget_bytes = device, budget_bytes
+        T, z = max_n * L, dict(device=device)
+        m, pad = model.cfg.engram.max_order, model.cfg.engram.pad_id
+        self.cu = torch.zeros(2 * max_n + 1, dtype=torch.int32, **z)
+        self.cu_commit = torch.zeros(2 * max_n + 1, dtype=torch.int32, **z)
+        self.slots = torch.full((2 * max_n,), -1, dtype=torch.long, **z)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.long, **z)
+        self.ngram_ids = torch.full((T, m), pad, dtype=torch.long, **z)
+        self.seq_tables = torch.zeros(max_n, max_blocks, dtype=torch.int32, **z)
+        self.tables = torch.zeros(T, max_blocks, dtype=torch.int32, **z)  # per row, in-graph
+        self.ctx = torch.ones(T, dtype=torch.int32, **z)
+        self.rows_cu = torch.arange(T + 1, dtype=torch.int32, **z)
+        self.graphs: dict[int, tuple] = {}  # n -> (check graph, commit graph, logits)
+        self.pool = torch.cuda.graph_pool_handle()
+        for n in reversed(capture_sizes(max_n)):
+            # captured with whole rows (no gaps): the host-side dispatch sees L tokens each
+            cu_list = [0, *(x for i in range(n) for x in ((i + 1) * L, (i + 1) * L))]
+            Tn = n * L
+
+            def batch(cu: torch.Tensor, n=n, Tn=Tn, cu_list=tuple(cu_list)) -> ForwardBatch:
+                return ForwardBatch(
+                    cu_seqlens=cu[:2 * n + 1], cu_list=list(cu_list), slot_ids=self.slots[:2 * n],
+                    slot_mapping=self.slot_mapping[:Tn], block_tables=self.tables[:Tn],
+                    context_lens=self.ctx[:Tn], max_q_len=L, max_context_len=max_model_len,
+                    ngram_ids=self.ngram_ids[:Tn], logits_indices=self.rows_cu[:Tn].long(),
+                    rows=(self.rows_cu[:Tn + 1], self.tables[:Tn], self.ctx[:Tn]))
+            self.cu[:2 * n + 1] = torch.tensor(cu_list)
+            self.cu_commit.copy_(self.cu)
+            self._capture(n, batch(self.cu), batch(self.cu_commit))
+
+    def _check(self, b) -> tuple[torch.Tensor | None, list]:
+        n = b.num_seqs // 2  # each row takes its sequence's block table
+        self.tables[:n * self.L].view(n, self.L, -1).copy_(self.seq_tables[:n, None])
+        b.stash = []
+        hidden = self.model(b)
+        return (self.model.compute_logits(hidden) if self.logits else None), b.stash
+
+    @staticmethod
+    def _commit(stash: list, b) -> None:
+        for module, inputs in stash:
+            module.commit(inputs, b)
+
+    @torch.inference_mode()
+    def _capture(self, n: int, b, bc) -> None:
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        for _ in range(2):  # warm-ups: Triton compiles outside the capture (slots all -1)
+            _, stash = self._check(b)
+            self._commit(stash, bc)
+        torch.cuda.synchronize()
+        check_room(self.device, self.budget_bytes,
+                   torch.cuda.max_memory_allocated(self.device) - base)
+        g, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            logits, stash = self._check(b)
+        with torch.cuda.graph(gc, pool=self.pool):
+            self._commit(stash, bc)
+        torch.cuda.synchronize()
+        self.graphs[n] = (g, gc, logits, stash)  # (the stash stays allocated for the commit)
+
+    def can_run(self, n: int, L: int, logits: bool) -> bool:
+        return L == self.L and n <= self.max_n and logits <= self.logits and bool(self.graphs)
+
+    def _size(self, n: int) -> int:
+        return next(s for s in sorted(self.graphs) if s >= n)
+
+    @torch.inference_mode()
+    def run_check(self, lay: dict[str, list]) -> torch.Tensor | None:
+        """Replays the check of a layout (ModelRunner.check_layout); logits [n * L, vocab]."""
+        n = len(lay["slots"]) // 2
+        size, L, m = self._size(n), self.L, self.ngram_ids.shape[1]
+        T, Tn, pad = n * L, size * L, self.model.cfg.engram.pad_id
+        width = max(len(t) for t in lay["tables"])
+        i64 = (lay["slots"] + [-1] * (2 * (size - n)) + lay["slot_mapping"] + [-1] * (Tn - T)
+               + [i for row in lay["ngrams"] for i in row] + [pad] * ((Tn - T) * m))
+        i32 = (lay["cu"] + [x for i in range(n, size) for x in (i * L, (i + 1) * L)]
+               + lay["ctx"] + [1] * (Tn - T)
+               + [i for t in lay["tables"][::L] for i in t + [0] * (width - len(t))])
+        a64, a32 = (torch.tensor(v, dtype=d).pin_memory().to(self.device, non_blocking=True)
+                    for v, d in ((i64, torch.long), (i32, torch.int32)))
+        slots, slot_map, ngrams = a64.split([2 * size, Tn, Tn * m])
+        cu, ctx, tables = a32.split([2 * size + 1, Tn, n * width])
+        self.slots[:2 * size] = slots
+        self.slot_mapping[:Tn] = slot_map
+        self.ngram_ids[:Tn] = ngrams.view(Tn, m)
+        self.cu[:2 * size + 1] = cu
+        self.ctx[:Tn] = ctx
+        self.seq_tables[:size].zero_()
+        self.seq_tables[:n, :width] = tables.view(n, width)
+        g, _, logits, _ = self.graphs[size]
+        g.replay()
+        return None if logits is None else logits[:T]
+
+    @torch.inference_mode()
+    def run_commit(self, n: int, lay: dict[str, list]) -> None:
+        """Replays the commit after `run_check` of n sequences (lay: its commit layout)."""
+        size, L = self._size(n), self.L
+        cu = lay["cu"] + [x for i in range(n, size) for x in (i * L, (i + 1) * L)]
+        self.cu_commit[:2 * size + 1] = torch.tensor(cu, dtype=torch.int32).pin_memory().to(
+            self.device, non_blocking=True)
+        self.graphs[size][1].replay()

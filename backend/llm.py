@@ -23,9 +23,9 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
     """KV pool size: on CUDA what the memory plan leaves for KV under the budget (per GPU:
     with tensor parallelism the plan of one rank's share, `gpu_gib` on each of the tp GPUs),
     at kv_dtype's width (fp8: twice the tokens of bf16); on the CPU room for every sequence at
-    full length. With a drafter (draft_cfg) its weights, its states, the copies of both
-    models' states that a speculative step keeps, and its KV beside the model's per token come
-    out of the same budget."""
+    full length. With a drafter (draft_cfg) its weights, its states, the copies of its states
+    that a speculative step keeps, the check graphs' logits and its KV beside the model's per
+    token come out of the same budget."""
     per_seq = (max_model_len + block_size - 1) // block_size
     if device.type != "cuda":
         return max_num_seqs * per_seq
@@ -38,8 +38,12 @@ def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num
 
     dkv, gib = 0, gpu_gib  # gib: what the model's own plan gets
     if draft_cfg is not None:
-        fixed = weight_bytes(draft_cfg)[0] + max_num_seqs * (
-            2 * state_bytes_per_seq(draft_cfg) + state_bytes_per_seq(rank_config(cfg, tp)))
+        from volundr.model_runner import MAX_CHECK_LEN, MAX_CHECK_SEQS
+
+        checked = min(max_num_seqs, MAX_CHECK_SEQS)  # sequences of a speculative step at most
+        fixed = (weight_bytes(draft_cfg)[0]
+                 + (max_num_seqs + checked) * state_bytes_per_seq(draft_cfg)
+                 + checked * MAX_CHECK_LEN * cfg.vocab_size * 4)  # fp32 logits of every row
         gib, dkv = gpu_gib - fixed / 2**30, kv_bytes_per_token(draft_cfg, kv_dtype.itemsize)
         if gib <= 0:
             raise ValueError(f"the drafter alone needs {fixed / 2**30:.1f} GiB of the "

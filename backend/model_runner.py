@@ -15,11 +15,19 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from volundr.check_layout import check_batch, check_layout
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
 from volundr.sampler import Sampler
 from volundr.scheduler import ScheduledSeq
+
+# Speculative checks captured as CUDA graphs for up to this many sequences (speculative decoding
+# pays at small batch; the engine speculates for at most this many sequences a step).
+MAX_CHECK_SEQS = 8
+# Tokens per sequence of a check at most: its recurrences read the states without writing them,
+# which the token-by-token KDA kernel does up to kernels/kda/engine.py's DECODE_MAX_LEN.
+MAX_CHECK_LEN = 16
 
 
 def _expandable_segments() -> None:
@@ -40,13 +48,17 @@ class ModelRunner:
                  block_size: int, seed: int = 0, max_model_len: int = 2048,
                  cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  gpu_budget_gib: float | None = None, tp_all_reduce: str = "nccl",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, check_len: int = 0,
+                 check_logits: bool = True):
         """With tp_size > 1 (volundr.distributed) `state_dict` is this rank's shard
         (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples;
         tp_all_reduce "symm": decode-sized all-reduces through symmetric memory
         (parallel.enable_one_shot) on CUDA.
         gpu_budget_gib: a hard cap on what this process's CUDA allocator may hold.
-        kv_dtype: the attention KV caches' dtype (None: `dtype`)."""
+        kv_dtype: the attention KV caches' dtype (None: `dtype`).
+        check_len: speculative checks of this many tokens per sequence run as CUDA graphs
+        (`check`; up to MAX_CHECK_SEQS sequences; 0: none captured), ending in logits or, without
+        check_logits, in hidden states (a drafter)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.kv_dtype = kv_dtype or dtype
         budget_bytes = None
@@ -94,6 +106,18 @@ class ModelRunner:
                 torch.cuda.empty_cache()  # the graphs captured before are gone
                 for t in self.states:
                     t.zero_()
+        self.checks = None
+        self._pending = None  # the last check: (batch, L, its eager ForwardBatch or None)
+        if self.graphs is not None and check_len > 1:
+            from volundr.cuda_graph import CheckGraphs
+
+            try:
+                self.checks = CheckGraphs(
+                    self.model, device, check_len, min(num_slots, MAX_CHECK_SEQS),
+                    -(-max_model_len // block_size), max_model_len, check_logits, budget_bytes)
+            except RuntimeError as e:
+                warnings.warn(f"speculative checks run eagerly: {e}", stacklevel=2)
+                torch.cuda.empty_cache()
 
     def _allocate_caches(self) -> None:
         # One slot more than the scheduler hands out: the scratch slot of CUDA-graph padding.
@@ -310,13 +334,58 @@ class ModelRunner:
                 dist.broadcast(toks[j], src=0)
         return toks.tolist()
 
+    # ---- speculative checks (volundr.speculative; rows: volundr.check_layout) -------------
+    def check_layout(self, batch: list[ScheduledSeq], L: int,
+                     lengths: list[int] | None = None) -> dict[str, list]:
+        """Host lists of a check (or, with `lengths`, its commit) of `batch`, L rows each."""
+        e = self.cfg.engram
+        return check_layout(batch, L, self.block_size, e.max_order, e.pad_id, lengths)
+
+    def _check_batch(self, lay: dict[str, list], L: int) -> ForwardBatch:
+        """Eager ForwardBatch of a check layout (the graphs fill static buffers instead)."""
+        return check_batch(lay, L, self.cfg.engram.max_order, self._to_device)
+
     @torch.inference_mode()
-    def logits_all(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        """One forward with logits at every token (speculative decoding's check of a
-        drafter's guesses): (logits [T, vocab] fp32, cu: item i's rows cu[i]:cu[i + 1])."""
+    def check(self, batch: list[ScheduledSeq], L: int, logits: bool = True
+              ) -> torch.Tensor | None:
+        """The forward of `batch`'s tokens (item i: its num_new_tokens <= L tokens from
+        num_computed_tokens on, decoding sequences without input embeddings) with every
+        recurrent state read, not written; their attention KV is stored. Returns logits
+        [len(batch), L, vocab] fp32 (rows past an item's tokens: garbage), or None without
+        `logits`. Then `commit` says how many of each item's tokens the states take in."""
         self._init_states(batch)
-        b = self.prepare(batch)
-        return self.model.compute_logits(self.model(b)), b.cu_list
+        lay = self.check_layout(batch, L)
+        if self.checks is not None and self.checks.can_run(len(batch), L, logits):
+            self._pending = (batch, L, None)
+            out = self.checks.run_check(lay)
+            return None if out is None else out.view(len(batch), L, -1)
+        b = self._check_batch(lay, L)
+        b.stash = []
+        hidden = self.model(b)
+        self._pending = (batch, L, b)
+        if not logits:
+            return None
+        return self.model.compute_logits(hidden).view(len(batch), L, -1)
+
+    @torch.inference_mode()
+    def commit(self, lengths: list[int]) -> None:
+        """The last check's sequences take in their first lengths[i] tokens (>= 1): their
+        KDA, conv and Engram states advance over them, from the inputs the check kept."""
+        batch, L, b = self._pending
+        self._pending = None
+        lay = self.check_layout(batch, L, lengths)
+        if b is None:  # the check ran as a graph: so does its commit
+            self.checks.run_commit(len(batch), lay)
+            return
+        cu = self._to_device(lay["cu"], torch.int32)
+        slots = self._to_device(lay["slots"], torch.long)
+        bc = ForwardBatch(cu_seqlens=cu, cu_list=lay["cu"], slot_ids=slots,
+                          slot_mapping=b.slot_mapping, block_tables=b.block_tables,
+                          context_lens=b.context_lens, max_q_len=L,
+                          max_context_len=b.max_context_len, ngram_ids=b.ngram_ids,
+                          logits_indices=b.logits_indices, rows=b.rows)
+        for module, inputs in b.stash:
+            module.commit(inputs, bc)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -52,14 +52,16 @@ def _fast(x: torch.Tensor, name: str):
 
 def kda_mixer(q, k, v, g_raw, beta_raw, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
               state: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-              cu_list: list[int], scale: float) -> torch.Tensor:
+              cu_list: list[int], scale: float, update_state: bool = True) -> torch.Tensor:
     """KDA over packed sequences with per-sequence recurrent state; returns o [T, H, V].
     The decay g = -exp(A_log) * softplus(g_raw + dt_bias) and beta = sigmoid(beta_raw) are
-    applied inside the kernels on CUDA."""
+    applied inside the kernels on CUDA. update_state False: the states are read, not written
+    (a speculative check). A negative slot id: a sequence that reads zeros and writes nothing
+    (CUDA; the naive path reads and writes the last row, the runner's scratch slot)."""
     fast = _fast(q, "kda")
     if fast is not None:
         return fast.kda_mixer(q, k, v, g_raw, beta_raw, state, slot_ids, cu_seqlens, cu_list,
-                              scale, A_log=A_log, dt_bias=dt_bias)
+                              scale, A_log=A_log, dt_bias=dt_bias, update_state=update_state)
     g, beta = kda_gate(g_raw, A_log, dt_bias), torch.sigmoid(beta_raw.float())
     init = state[slot_ids]
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0))
@@ -67,20 +69,27 @@ def kda_mixer(q, k, v, g_raw, beta_raw, A_log: torch.Tensor, dt_bias: torch.Tens
     fn = naive_recurrent_kda if decode else naive_chunk_kda
     o, final = fn(*args, scale=scale, initial_state=init, output_final_state=True,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-    state[slot_ids] = final
+    if update_state:
+        state[slot_ids] = final
     return o.squeeze(0)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                activation: str | None = "silu") -> torch.Tensor:
-    """Depthwise causal conv (+ SiLU) over packed sequences, carrying each sequence's tail."""
+                activation: str | None = "silu", update_state: bool = True,
+                max_len: int | None = None) -> torch.Tensor:
+    """Depthwise causal conv (+ SiLU) over packed sequences, carrying each sequence's tail.
+    update_state False: the tails are read, not written. max_len: a bound on the tokens per
+    sequence, known on the host (a speculative check's few). A negative slot id: a sequence
+    whose outputs are not computed (CUDA; the naive path takes the last row, the scratch slot)."""
     fast = _fast(x, "kda")
     if fast is not None and hasattr(fast, "causal_conv"):
-        return fast.causal_conv(x, weight, conv_state, slot_ids, cu_seqlens, activation)
+        return fast.causal_conv(x, weight, conv_state, slot_ids, cu_seqlens, activation,
+                                update_state=update_state, max_len=max_len)
     tails = conv_state[slot_ids]
     y = naive_causal_conv1d(x, weight, tails, cu_seqlens, activation)
-    conv_state[slot_ids] = tails
+    if update_state:
+        conv_state[slot_ids] = tails
     return y
 
 

@@ -19,11 +19,12 @@ position p not yet run through the model (its state holds tokens [0, p)):
      q = the one-hot greedy guess). Seeded sampled requests stay out: their tokens must not
      depend on the batch (the sampler's promise), and k does. Then `m` <= n + 1 of the emitted
      tokens count when a stop token or a length limit comes first;
-  4. states: the model's KDA / conv state took in k + 1 tokens, the sequence owns the first m
-     (t_0, a_0 .. a_{m-2}). Where m < k + 1 the state saved before step 2 comes back and those m
-     tokens run again (a chunk, no logits); attention KV past them is simply overwritten later.
-     The drafter took in t_0, d_1 .. d_{k-1}: it keeps that when m >= k (at m = k + 1 the
-     catch-up of the next step runs d_k), else its saved state comes back and it catches up.
+  4. states: step 2 read the model's KDA / conv / Engram states without writing them
+     (ModelRunner.check) and kept each layer's inputs; the sequence owns the first m tokens
+     (t_0, a_0 .. a_{m-2}), and ModelRunner.commit runs the recurrences over just those. Their
+     attention KV is step 2's; KV past them is simply overwritten later. The drafter took in
+     t_0, d_1 .. d_{k-1}: it keeps that when m >= k (at m = k + 1 the catch-up of the next step
+     runs d_k), else its saved state comes back and it catches up (a check + commit).
 
 Stays out (the engine's normal steps run instead): seeded sampled requests, prompts with input
 embeddings (the drafter has its own hidden size), tensor parallelism.
@@ -69,22 +70,31 @@ def _appended(seqs: list[Sequence], extra: list[list[int]]):
                 del s.token_ids[-len(e):]
 
 
-def catch_up(drafter: ModelRunner, seqs: list[Sequence], chunk: int) -> None:
+def catch_up(drafter: ModelRunner, seqs: list[Sequence], chunk: int, L: int) -> None:
     """Runs the drafter over every token it has not seen before each sequence's last one
-    ([num_draft_computed, num_computed_tokens)), at most `chunk` tokens per forward."""
+    ([num_draft_computed, num_computed_tokens)): as a check + commit (a graph on CUDA) where
+    each sequence has at most L such tokens (the steady state: 0 to L after a step), else in
+    forwards of at most `chunk` tokens (a prompt, a sequence new to speculation)."""
     while True:
         todo = [s for s in seqs if s.num_draft_computed < s.num_computed_tokens]
         if not todo:
             return
-        batch, budget = [], chunk
-        for s in todo:
-            n = min(s.num_computed_tokens - s.num_draft_computed, budget)
-            if n == 0:
-                break
-            batch.append(ScheduledSeq(s, n))
-            budget -= n
-        with _drafter_view([it.seq for it in batch]):
-            drafter.run(batch)  # (never samples: the last token stays out)
+        n = [s.num_computed_tokens - s.num_draft_computed for s in todo]
+        if max(n) <= L:
+            batch = [ScheduledSeq(s, k) for s, k in zip(todo, n)]
+            with _drafter_view(todo):
+                drafter.check(batch, L, logits=False)
+                drafter.commit(n)
+        else:
+            batch, budget = [], chunk
+            for s, k in zip(todo, n):
+                k = min(k, budget)
+                if k == 0:
+                    break
+                batch.append(ScheduledSeq(s, k))
+                budget -= k
+            with _drafter_view([it.seq for it in batch]):
+                drafter.run(batch)  # (never samples: the last token stays out)
         for it in batch:
             it.seq.num_draft_computed += it.num_new_tokens
 
@@ -114,42 +124,37 @@ def accept_sampled(logits: torch.Tensor, guesses: list[int], seq: Sequence,
 
 
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
-              chunk: int, counted: Callable[[Sequence, list[int]], int]) -> list[list[int]]:
+              L: int, chunk: int, counted: Callable[[Sequence, list[int]], int]
+              ) -> list[list[int]]:
     """One speculative step (module doc) over `batch` (sequences decoding one token each, none
-    seeded and sampled, KV blocks grown for k + 1 positions). counted(seq, tokens) -> how
-    many of the emitted tokens count (the engine's stop and length rules). Returns each
-    sequence's counted tokens; the model's and the drafter's states then hold exactly t_0 and
-    the counted tokens but the last."""
+    seeded and sampled, KV blocks grown for k + 1 positions; k + 1 <= L, the check length).
+    counted(seq, tokens) -> how many of the emitted tokens count (the engine's stop and length
+    rules). Returns each sequence's counted tokens; the model's and the drafter's states then
+    hold exactly t_0 and the counted tokens but the last."""
     seqs = [it.seq for it in batch]
     slots = [s.slot for s in seqs]
     p = [s.num_computed_tokens for s in seqs]
     # 1. the drafter's guesses d_1 .. d_k
-    catch_up(drafter, seqs, chunk)
+    catch_up(drafter, seqs, chunk, L)
     saved_draft = drafter.save_states(slots)
     with _drafter_view(seqs):
         guesses = drafter.run_decode_steps(batch, k, greedy=True)  # [k][N]
     drafts = [[row[i] for row in guesses] for i in range(len(seqs))]
-    # 2. the model's distributions after t_0, d_1 .. d_k
-    saved = target.save_states(slots)
+    # 2. the model's distributions after t_0, d_1 .. d_k (states read only)
     with _appended(seqs, drafts):
-        logits, cu = target.logits_all([ScheduledSeq(s, k + 1) for s in seqs])
+        logits = target.check([ScheduledSeq(s, k + 1) for s in seqs], L)[:, :k + 1]
     greedy = logits.argmax(dim=-1).tolist()
     # 3. accepted guesses and the token after them; the tokens that count
     out = []
     for i, (s, d) in enumerate(zip(seqs, drafts)):
         if s.params.greedy:
-            a = greedy[cu[i]:cu[i + 1]]
+            a = greedy[i]
             toks = a[:next((j for j in range(k) if d[j] != a[j]), k) + 1]
         else:
-            toks = accept_sampled(logits[cu[i]:cu[i + 1]], d, s, target.sampler.generator)
+            toks = accept_sampled(logits[i], d, s, target.sampler.generator)
         out.append(toks[:counted(s, toks)])
-    # 4. states: the model's back to t_0 and the counted tokens but the last
-    redo = [i for i, toks in enumerate(out) if len(toks) < k + 1]
-    if redo:
-        target.load_states([slots[i] for i in redo], saved, redo)
-        rs = [seqs[i] for i in redo]
-        with _appended(rs, [out[i] for i in redo]):  # inputs t_0, a_0 ..; the last one stays out
-            target.run([ScheduledSeq(seqs[i], len(out[i])) for i in redo])
+    # 4. states: the model's take in t_0 and the counted tokens but the last
+    target.commit([len(toks) for toks in out])
     back = [i for i, toks in enumerate(out) if len(toks) < k]
     if back:
         drafter.load_states([slots[i] for i in back], saved_draft, back)

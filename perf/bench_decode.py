@@ -634,7 +634,8 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
                  "kv_cache_dtype": kv_cache_dtype,
                  **built, "gpu_weight_GB": wbytes / 1e9,
                  "byte_limit_tok_per_s": hbm_copy_GBps * 1e9 / wbytes}
-        decode_rate(engine, 1, 16, 8)  # warm-up (Triton compile/autotune)
+        # warm-up (Triton compile/autotune; a drafter's prefill at the prompt's length too)
+        decode_rate(engine, 1, args.prompt_len, 8)
         entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
         if args.max_num_seqs >= 16:
             entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)

@@ -13,6 +13,7 @@ import torch
 
 from volundr.converter.presets import get_config, random_state_dict
 from volundr.engine import EngineConfig, LLMEngine
+from volundr.model_runner import MAX_CHECK_LEN, MAX_CHECK_SEQS
 from volundr.sampling_params import SamplingParams
 
 EOS = (2, 0)
@@ -171,7 +172,11 @@ def test_sampled_tokens_follow_the_model_distribution(models, drafter):
         seq = Sequence("p", ids, params)
         seq.slot = 0
         ref.block_manager.grow(seq, len(ids))
-        logits, _ = ref.runner.logits_all([ScheduledSeq(seq, len(ids))])
+        r = ref.runner
+        with torch.inference_mode():
+            b = r.prepare([ScheduledSeq(seq, len(ids))])
+            r._init_states([ScheduledSeq(seq, len(ids))])
+            logits = r.model.compute_logits(r.model(b))
         ref.block_manager.free(seq)
         one = torch.ones(1)
         return apply_filters(logits[-1:], 0.8 * one, torch.tensor([3]), one, 0 * one)[0]
@@ -184,7 +189,7 @@ def test_sampled_tokens_follow_the_model_distribution(models, drafter):
             p2 = probs_after(prompt + [a, b])
             for c in p2.nonzero().flatten().tolist():
                 exact[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
-    e = engine(models, drafter, max_num_seqs=32, max_num_batched_tokens=256, seed=1)
+    e = engine(models, drafter, max_num_seqs=MAX_CHECK_SEQS, max_num_batched_tokens=256, seed=1)
     n = 2000
     ids, _, _ = run(e, [(f"s{i}", prompt, params) for i in range(n)])
     counts: dict[tuple[int, ...], int] = {}
@@ -266,9 +271,73 @@ def test_drafter_in_the_memory_plan():
         both = _default_kv_blocks(cfg, cuda, *args, draft_cfg=dcfg)
     t = plan_memory(cfg, 16.0, 1, 2048, kv_dtype=torch.float8_e4m3fn)
     d = plan_memory(dcfg, None, 1, 1, kv_dtype=torch.float8_e4m3fn)
-    fixed = d.weights_gpu_bytes + 2 * d.state_bytes_per_seq + t.state_bytes_per_seq
+    fixed = d.weights_gpu_bytes + 2 * d.state_bytes_per_seq + MAX_CHECK_LEN * cfg.vocab_size * 4
     free = t.kv_gpu_tokens * t.kv_bytes_per_token - fixed  # what the pool had, less the drafter
     assert both == min(16384, free // (t.kv_bytes_per_token + d.kv_bytes_per_token) // 16)
     assert both < alone
     with pytest.raises(ValueError, match="drafter alone"):
         _default_kv_blocks(cfg, cuda, 0.5, *args[1:], draft_cfg=dcfg)
+
+
+def _check_commit_case(e: LLMEngine, L: int, seed: int):
+    """Three sequences after their prompts, then a check of q_i <= L more tokens each and a
+    commit of m_i <= q_i of them; returns (check logits, states after the check, after the
+    commit, and the same two from running the tokens plainly: logits of a full forward, states
+    after a forward of the m_i tokens)."""
+    from volundr.scheduler import ScheduledSeq
+    from volundr.sequence import Sequence
+
+    r, g = e.runner, torch.Generator().manual_seed(seed)
+    ps = prompts(3, seed=seed)
+    q = [L, 2, 1]
+    m = [L - 1, 2, 1]
+    seqs = []
+    with torch.inference_mode():
+        for i, p in enumerate(ps):
+            s = Sequence(f"c{i}", p, greedy(8))
+            s.slot = i
+            e.block_manager.grow(s, len(p) + L)
+            r.run([ScheduledSeq(s, len(p) - 1)])  # the prompt but its last token
+            s.num_computed_tokens = len(p) - 1
+            s.token_ids += torch.randint(3, 512, (q[i] - 1,), generator=g).tolist()
+            seqs.append(s)
+        slots = [s.slot for s in seqs]
+        before = r.save_states(slots)
+        logits = r.check([ScheduledSeq(s, n) for s, n in zip(seqs, q)], L)
+        after_check = r.save_states(slots)
+        r.commit(m)
+        after_commit = r.save_states(slots)
+        # plainly: the same tokens through an ordinary forward, from the states before
+        r.load_states(slots, before)
+        items = [ScheduledSeq(s, n) for s, n in zip(seqs, q)]
+        want_logits = r.model.compute_logits(r.model(r.prepare(items)))
+        r.load_states(slots, before)
+        r.run([ScheduledSeq(s, n) for s, n in zip(seqs, m)])
+        want_states = r.save_states(slots)
+    rows = torch.cat([logits[i, :n] for i, n in enumerate(q)])
+    return rows, want_logits, before, after_check, after_commit, want_states
+
+
+def _assert_check_commit(case, atol: float):
+    rows, want_logits, before, after_check, after_commit, want_states = case
+    for a, b in zip(before, after_check):  # the check wrote no state
+        assert torch.equal(a, b)
+    torch.testing.assert_close(rows, want_logits, atol=atol, rtol=0)
+    for a, b in zip(after_commit, want_states):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=0)
+
+
+def test_check_reads_states_and_commit_takes_the_kept_tokens(models):
+    """ModelRunner.check leaves every recurrent state as it was and gives each row the logits
+    of an ordinary forward; commit(m) leaves the states of a forward of the first m tokens,
+    for sequences of different lengths in one check (the rows' gaps)."""
+    e = engine(models, "draft")
+    _assert_check_commit(_check_commit_case(e, 5, seed=21), atol=1e-4)
+
+
+@CUDA
+def test_cuda_check_graphs_match_the_plain_forward(models):
+    """The same through the captured check and commit graphs (bf16)."""
+    e = engine(models, "draft", device="cuda")
+    assert e.runner.checks is not None and e.drafter.checks is not None
+    _assert_check_commit(_check_commit_case(e, 5, seed=22), atol=0.05)

@@ -43,7 +43,11 @@ class Attention(nn.Module):
         # Store first: the new tokens attend to themselves through the cache (prefill may read
         # their K/V from k, v instead).
         ops.store_kv(k, v, self.k_cache, self.v_cache, b.slot_mapping)
-        o = ops.paged_attention(q, self.k_cache, self.v_cache, b.block_tables, b.cu_seqlens,
-                                b.context_lens, self.scale, b.max_q_len, b.max_context_len,
-                                k, v)
+        if b.rows is not None:  # a check's tokens as decode rows
+            o = ops.paged_attention(q, self.k_cache, self.v_cache, b.rows[1], b.rows[0],
+                                    b.rows[2], self.scale, 1, b.max_context_len)
+        else:
+            o = ops.paged_attention(q, self.k_cache, self.v_cache, b.block_tables, b.cu_seqlens,
+                                    b.context_lens, self.scale, b.max_q_len, b.max_context_len,
+                                    k, v)
         return out_proj(self.o_proj, o.reshape(T, self.h * self.hd), post)

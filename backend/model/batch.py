@@ -32,6 +32,13 @@ class ForwardBatch:
     # The lookups, done ahead of the forward by VolundrForCausalLM.gather_inputs.
     inputs_embeds: torch.Tensor | None = None    # [T, hidden], device
     engram_embeds: dict[int, torch.Tensor] | None = None  # layer -> [T, tables * dim], device
+    # A speculative check (ModelRunner.check): the recurrent states (KDA, convs) are read, not
+    # written; each KDA / Engram layer appends (itself, its inputs) here for ModelRunner.commit.
+    stash: list | None = None
+    # Attention over one query row per token (a check's few tokens per sequence as decode rows):
+    # (cu_seqlens [T + 1] = arange, block_tables [T, max_blocks], context_lens [T]: the token's
+    # position + 1); None: attention over cu_seqlens / block_tables / context_lens above.
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

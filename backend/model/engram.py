@@ -123,6 +123,17 @@ class Engram(nn.Module):
         k, v = self.k_proj(e), self.v_proj(e)
         score = (self.h_norm(h).float() * self.k_norm(k).float()).sum(-1, keepdim=True)
         u = (torch.sigmoid(score * self.inv_sqrt_d) * v.float()).to(h.dtype)
-        c = ops.causal_conv(self.u_norm(u), self.conv1d.weight, self.conv_state, b.slot_ids,
-                            b.cu_seqlens, activation="silu")
+        x = self.u_norm(u)
+        c = self._conv(x, b, update=b.stash is None)
+        if b.stash is not None:
+            b.stash.append((self, (x,)))
         return h + u + c
+
+    def _conv(self, x: torch.Tensor, b: ForwardBatch, update: bool) -> torch.Tensor:
+        few = b.max_q_len if b.rows is not None else None  # a check's few tokens
+        return ops.causal_conv(x, self.conv1d.weight, self.conv_state, b.slot_ids, b.cu_seqlens,
+                               activation="silu", update_state=update, max_len=few)
+
+    def commit(self, inputs: tuple, b: ForwardBatch) -> None:
+        """The conv tail advanced over a check's kept tokens (see KDA.commit)."""
+        self._conv(*inputs, b, update=True)

@@ -124,10 +124,25 @@ class KDA(nn.Module):
                 return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
                                 post)
         else:
-            qkv = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
-                                  b.cu_seqlens, activation="silu")  # [T, 3 * H * K]
-            q, k, v = qkv.view(T, 3, H, K).unbind(1)
-            o = ops.kda_mixer(q, k, v, f, beta, self.A_log, self.dt_bias, self.state,
-                              b.slot_ids, b.cu_seqlens, b.cu_list, scale=K ** -0.5)  # [T, H, V]
+            o = self._mix(qkv, f, beta, b, update=b.stash is None)
+            if b.stash is not None:
+                b.stash.append((self, (qkv, f, beta)))
         o = ops.rms_norm_gated(o, self.o_norm.weight, g_out, self.eps)
         return out_proj(self.o_proj, o.reshape(T, H * K), post)
+
+    def _mix(self, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, b: ForwardBatch,
+             update: bool) -> torch.Tensor:
+        """conv + SiLU and the recurrence over raw qkv [T, 3HK], gate logits f [T, H, K], beta
+        logits [T, H]; o [T, H, V]. update False: the states are read only (a check)."""
+        T, H, K = qkv.shape[0], self.H, self.K
+        few = b.max_q_len if b.rows is not None else None  # a check's few tokens
+        y = ops.causal_conv(qkv, self.qkv_conv_weight, self.conv_state, b.slot_ids,
+                            b.cu_seqlens, activation="silu", update_state=update, max_len=few)
+        q, k, v = y.view(T, 3, H, K).unbind(1)
+        return ops.kda_mixer(q, k, v, f, beta, self.A_log, self.dt_bias, self.state, b.slot_ids,
+                             b.cu_seqlens, b.cu_list, scale=K ** -0.5, update_state=update)
+
+    def commit(self, inputs: tuple, b: ForwardBatch) -> None:
+        """The states advanced over a check's tokens that b's sequences keep (ModelRunner.commit):
+        `inputs` as the check stashed them, rows as laid out then."""
+        self._mix(*inputs, b, update=True)

@@ -66,7 +66,7 @@ def _conv_tok_kernel(x, w, st, y, cu_seqlens, slot_ids, T, s_xt, s_yt, C, N,
 def _conv_seq_kernel(x, w, st, y, cu_seqlens, slot_ids, s_xt, s_yt, C,
                      W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      COMPUTE_Y: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
-                     ONE_TOKEN: tl.constexpr):
+                     ONE_TOKEN: tl.constexpr, STORE: tl.constexpr = True):
     pdl.trigger()  # a PDL-launched successor may start
     pdl.wait()  # PDL: inputs come from the kernel before
     i_n, i_c = tl.program_id(0), tl.program_id(1)
@@ -94,7 +94,7 @@ def _conv_seq_kernel(x, w, st, y, cu_seqlens, slot_ids, s_xt, s_yt, C,
             acc = _conv_taps(x, w, st, o_t, bos, eos, slots, o_c, m_c, s_xt, C, W, HAS_STATE, SILU)
             m = (o_t < eos)[:, None] & m_c[None, :]
             tl.store(y + o_t[:, None] * s_yt + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
-    if HAS_STATE:
+    if HAS_STATE and STORE:
         # new tail = the last W - 1 inputs: from x, or from the old tail for short sequences
         o_i = tl.arange(0, WP)
         m_i = o_i < W - 1
@@ -111,7 +111,7 @@ def _conv_seq_kernel(x, w, st, y, cu_seqlens, slot_ids, s_xt, s_yt, C,
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                   cu_seqlens: torch.Tensor, slot_ids: torch.Tensor | None = None,
                   activation: str | None = "silu", max_seqlen: int | None = None,
-                  one_token_per_seq: bool = False) -> torch.Tensor:
+                  one_token_per_seq: bool = False, update_state: bool = True) -> torch.Tensor:
     """Depthwise causal conv over packed sequences (the math of `naive_causal_conv1d`).
 
     x: [T, C] (channels contiguous); weight: [C, W] (the last tap multiplies the newest input);
@@ -121,6 +121,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     max_seqlen: longest sequence if known (picks the one-launch path for short sequences).
     one_token_per_seq: every sequence has exactly one token (decode; needs T == N): skips
     cu_seqlens in the kernel.
+    update_state False: the tails are read, not written (a speculative check).
+    A negative slot id (with conv_state): that sequence is skipped, its rows of y not written.
     Returns y: [T, C] in x.dtype.
     """
     if activation not in (None, "silu", "swish"):
@@ -147,8 +149,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
             x, weight, conv_state, y, cu_seqlens, slot_ids, x.stride(0), y.stride(0), C,
             W=W, WP=triton.next_power_of_2(max(W - 1, 1)), BT=BT, BC=BC,
             COMPUTE_Y=True, HAS_STATE=has_state, SILU=silu,
-            ONE_TOKEN=one_token_per_seq and T == N, num_warps=4, launch_pdl=pdl.ON.value)
+            ONE_TOKEN=one_token_per_seq and T == N, STORE=update_state, num_warps=4,
+            launch_pdl=pdl.ON.value)
         return y
+    if not update_state:
+        raise ValueError("a read-only conv state takes at most 16 tokens a sequence")
     BT = 16
     _conv_tok_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x, weight, conv_state, y, cu_seqlens, slot_ids, T, x.stride(0), y.stride(0), C, N,

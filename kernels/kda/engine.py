@@ -49,37 +49,44 @@ def kda_mixer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
               cu_seqlens: torch.Tensor, cu_list: list[int], scale: float,
               A_log: torch.Tensor | None = None,
-              dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+              dt_bias: torch.Tensor | None = None, update_state: bool = True) -> torch.Tensor:
     """KDA over packed sequences. q, k [T, H, K] (pre-L2-norm, any token stride); v [T, H, V];
     g [T, H, K] log decay and beta [T, H] after sigmoid, or, with A_log [H] (and dt_bias
     [H * K]), the raw logits of both: the kernels then apply the gate
     g = -exp(A_log) * softplus(g + dt_bias) and the sigmoid (no separate launches for them);
     state [slots, H, K, V] fp32, rows slot_ids [N] updated in place; cu_seqlens [N + 1] int32
-    (cu_list: the same on the host). Returns o [T, H, V] in v.dtype."""
+    (cu_list: the same on the host); update_state False: read, not written. Returns
+    o [T, H, V] in v.dtype."""
     args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0))
     raw = A_log is not None
     kw = dict(scale=scale, initial_state=state, cu_seqlens=cu_seqlens, ssm_state_indices=slot_ids,
               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=raw,
-              use_beta_sigmoid_in_kernel=raw, A_log=A_log, dt_bias=dt_bias)
+              use_beta_sigmoid_in_kernel=raw, A_log=A_log, dt_bias=dt_bias,
+              inplace_final_state=update_state)
     T, N = q.shape[0], len(cu_list) - 1
-    if T == N and cu_list == list(range(N + 1)):
+    if T == N and cu_list == list(range(N + 1)) and update_state:
         # decode: one token per sequence
         o, _ = fused_recurrent_kda(*args, one_token_per_seq=True, **kw)
     elif _max_len(cu_list, T) <= DECODE_MAX_LEN:
         o, _ = fused_recurrent_kda(*args, **kw)
     else:
+        if not update_state:
+            raise ValueError("a read-only state takes at most DECODE_MAX_LEN tokens a sequence")
         o, _ = chunk_kda(*args, cu_seqlens_cpu=cu_list, **kw)
     return o.squeeze(0)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 slot_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                activation: str | None = "silu") -> torch.Tensor:
+                activation: str | None = "silu", update_state: bool = True,
+                max_len: int | None = None) -> torch.Tensor:
     """Depthwise causal conv (+ SiLU) over packed sequences. x [T, C]; weight [C, W];
-    conv_state [slots, C, W - 1] updated in place at rows slot_ids [N]. Returns y [T, C].
-    An engine step never holds an empty sequence, so T == N means one token each (decode)."""
+    conv_state [slots, C, W - 1] updated in place at rows slot_ids [N] (update_state False:
+    read only). Returns y [T, C]. Without max_len (a bound on tokens per sequence) T == N
+    means one token each (decode): an engine step never holds an empty sequence then."""
+    one = x.shape[0] == slot_ids.shape[0] if max_len is None else max_len == 1
     return causal_conv1d(x, weight, conv_state, cu_seqlens, slot_ids, activation,
-                         one_token_per_seq=x.shape[0] == slot_ids.shape[0])
+                         max_seqlen=max_len, one_token_per_seq=one, update_state=update_state)
 
 
 def decode_fits(T: int, conv_width: int) -> bool:

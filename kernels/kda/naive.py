@@ -143,6 +143,8 @@ def naive_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch
     y = torch.empty_like(x)
     for n in range(len(cu) - 1):
         s, e = cu[n], cu[n + 1]
+        if s == e:  # an empty sequence keeps its tail
+            continue
         tail = (conv_state[n].to(x.dtype) if conv_state is not None
                 else torch.zeros(C, W - 1, dtype=x.dtype, device=x.device))
         full = torch.cat([tail, x[s:e].t()], dim=1)                   # [C, W - 1 + L]

@@ -1,0 +1,93 @@
+"""Where a speculative decode step's time goes: host wall time of each phase, synchronised.
+
+    python3 perf/diag_speculative.py --variant mixed@8+draft --out $OUT/spec_phases.json
+
+Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
+`volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
+the drafter's restore) with CUDA-synchronised timers; prints and writes the mean ms per step of
+each, the engine steps' mean, and the replay time of the check graph alone (GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+from bench_decode import build, decode_rate, sync
+
+import volundr.speculative as spec
+
+
+def _timed(totals: dict, name: str, fn):
+    def wrapper(*a, **kw):
+        sync()
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        sync()
+        totals[name].append(time.perf_counter() - t)
+        return out
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", default="mixed@8+draft")
+    ap.add_argument("--preset", default="volundr-32b")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    base, *sfx = args.variant.split("+")
+    variant, _, steps = base.partition("@")
+    draft = "self" if "draftself" in sfx else "random"
+    k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), 4)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    e = build(variant, True, 1, args.preset, dev, None, int(steps or 1), 4096, 1, "auto",
+              draft=draft, spec_k=k)
+    decode_rate(e, 1, 16, 8)  # warm-up
+    totals: dict[str, list[float]] = defaultdict(list)
+    t_runner, d_runner = e.runner, e.drafter
+    for obj, names in ((t_runner, ("check", "commit")),
+                       (d_runner, ("check", "commit", "run_decode_steps", "save_states",
+                                   "load_states", "run"))):
+        who = "model" if obj is t_runner else "drafter"
+        for n in names:
+            setattr(obj, n, _timed(totals, f"{who}.{n}", getattr(obj, n)))
+    spec.catch_up = _timed(totals, "catch_up", spec.catch_up)
+    step = e.step
+    e.step = _timed(totals, "engine.step", step)
+    rate = decode_rate(e, 1, 128, args.tokens)
+    res = {"variant": args.variant, "device": torch.cuda.get_device_name() if dev == "cuda"
+           else "cpu", "tok_per_s": rate["tok_per_s"], "steps": rate["steps"],
+           "ms_mean": {n: 1e3 * sum(v) / len(v) for n, v in totals.items()},
+           "calls": {n: len(v) for n, v in totals.items()}}
+    checks = getattr(t_runner, "checks", None)
+    if checks is not None and checks.graphs:
+        g = checks.graphs[min(checks.graphs)][0]
+        g.replay()
+        sync()
+        t = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        sync()
+        res["check_graph_ms"] = 1e3 * (time.perf_counter() - t) / 20
+    res["decode_graph_ms"] = None
+    if t_runner.graphs is not None:
+        g = t_runner.graphs.graphs[1]
+        sync()
+        t = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        sync()
+        res["decode_graph_ms"] = 1e3 * (time.perf_counter() - t) / 20
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    e.close()
+
+
+if __name__ == "__main__":
+    main()
