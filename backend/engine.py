@@ -12,7 +12,7 @@ import torch
 from volundr.block_manager import BlockManager, StateSlots
 from volundr.config import VolundrConfig
 from volundr.distributed import TensorParallelRunner, WorkerError
-from volundr.model_runner import MAX_CHECK_LEN, MAX_CHECK_SEQS, ModelRunner
+from volundr.model_runner import MAX_CHECK_LEN, ModelRunner
 from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
@@ -138,8 +138,28 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
-        self.sessions = SessionStore(int(ecfg.session_gib * 2**30), self.runner.forget)
+        self.sessions = SessionStore(int(ecfg.session_gib * 2**30), self._forget)
         self._tickets = itertools.count()
+
+    def _forget(self, ticket: int) -> None:
+        """Frees a parked session's tensors (the model's and the drafter's)."""
+        self.runner.forget(ticket)
+        if self.drafter is not None:
+            self.drafter.forget(ticket)
+
+    def _restore_drafter(self, batch: list[ScheduledSeq]) -> None:
+        """Sequences whose parked session the model restores in this step: the drafter's
+        parked state too, where the session kept one (the turn's end), so that it catches up
+        from there, not from the first token."""
+        for item in batch:
+            s, r = item.seq, item.seq.resume
+            if r is None:
+                continue
+            if r.draft_tokens:
+                self.drafter.restore(s.slot, s.block_table, r, r.draft_tokens)
+                s.num_draft_computed = r.draft_tokens
+            else:
+                self.drafter.forget(r.ticket)
 
     def _check_len(self, draft) -> int:
         """Tokens per sequence of a speculative check (t_0 and k guesses); 0 without a drafter."""
@@ -208,6 +228,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.drafter is not None:
+            self._restore_drafter(batch)
         k, spec = self._speculative(batch)
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
@@ -265,9 +287,10 @@ class LLMEngine:
     def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
         decodes without input embeddings or seeded sampling (volundr.speculative) that have
-        room for 2 more tokens, if at most MAX_CHECK_SEQS; k at most num_speculative_tokens and
-        room for k + 1 more tokens in each; the KV blocks for them free (then taken). The
-        batch's other items (prefill chunks, the rest) run in a forward of their own."""
+        room for 2 more tokens, if the runner's check takes that many at once; k at most
+        num_speculative_tokens and room for k + 1 more tokens in each; the KV blocks for them
+        free (then taken). The batch's other items (prefill chunks, the rest) run in a forward
+        of their own."""
         if self.drafter is None:
             return 0, []
         room = {}
@@ -280,7 +303,7 @@ class LLMEngine:
                 if r >= 1:
                     room[s.seq_id] = r
         spec = [it for it in batch if it.seq.seq_id in room]
-        if len(spec) > MAX_CHECK_SEQS:
+        if len(spec) > self.runner.max_check_seqs:  # (the captured checks' largest batch)
             # the rest would need a forward of their own: two forwards for the step's decodes
             # (batch 16, H100: 198 tok/s with a random drafter against 1005 without)
             return 0, []
@@ -379,18 +402,25 @@ class LLMEngine:
         n = seq.num_computed_tokens
         with_prompt = seq.prompt_snap and n > seq.num_prompt_tokens
         nb = self.block_manager.blocks_for(n)
-        if not self.sessions.fits(self.runner.session_nbytes(nb, with_prompt)):
+        d = min(seq.num_draft_computed, n) if self.drafter is not None else 0
+        nbd = self.block_manager.blocks_for(d)
+        need = self.runner.session_nbytes(nb, with_prompt)
+        if d:
+            need += self.drafter.session_nbytes(nbd)
+        if not self.sessions.fits(need):
             self.sessions.drop(seq.session_id)
             return self._release_session(seq)
         ticket = next(self._tickets)
         nbytes = self.runner.park(ticket, seq.slot, seq.block_table[:nb],
                                   seq.seq_id if with_prompt else None)
+        if d:  # the drafter's state too: the next turn's catch-up starts at d, not at 0
+            nbytes += self.drafter.park(ticket, seq.slot, seq.block_table[:nbd], None)
         if seq.prompt_snap and not with_prompt:
             self.runner.unsnap(seq.seq_id)
         seq.prompt_snap = False
         self.sessions.put(seq.session_id, ParkedSession(
             seq.token_ids[:n], ticket, nbytes, seq.num_prompt_tokens if with_prompt else 0,
-            {p: d for p, d in seq.embed_digests.items() if p < n}))
+            {p: dg for p, dg in seq.embed_digests.items() if p < n}, d))
 
     def _release_session(self, seq: Sequence) -> None:
         """The runner's copies a request ends without using: its prompt's state, a parked
@@ -399,7 +429,7 @@ class LLMEngine:
             self.runner.unsnap(seq.seq_id)
             seq.prompt_snap = False
         if seq.resume is not None:
-            self.runner.forget(seq.resume.ticket)
+            self._forget(seq.resume.ticket)
             seq.resume = None
 
     def close(self) -> None:

@@ -108,6 +108,7 @@ class ModelRunner:
                     t.zero_()
         self.checks = None
         self._pending = None  # the last check: (batch, L, its eager ForwardBatch or None)
+        self.max_check_seqs = num_slots  # eager checks take any batch; graphs up to their size
         if self.graphs is not None and check_len > 1:
             from volundr.cuda_graph import CheckGraphs
 
@@ -115,6 +116,7 @@ class ModelRunner:
                 self.checks = CheckGraphs(
                     self.model, device, check_len, min(num_slots, MAX_CHECK_SEQS),
                     -(-max_model_len // block_size), max_model_len, check_logits, budget_bytes)
+                self.max_check_seqs = self.checks.max_n
             except RuntimeError as e:
                 warnings.warn(f"speculative checks run eagerly: {e}", stacklevel=2)
                 torch.cuda.empty_cache()
@@ -185,14 +187,15 @@ class ModelRunner:
     def forget(self, ticket: int) -> None:
         self.parked.pop(ticket, None)
 
-    def _restore(self, seq) -> None:
-        """A resumed session's parked state into its slot and first blocks."""
-        r, seq.resume = seq.resume, None
+    def restore(self, slot: int, block_table: list[int], r, num_tokens: int | None = None
+                ) -> None:
+        """The parked state of Resume `r` (volundr.session) into `slot` and the first blocks of
+        `block_table` covering num_tokens (default r.num_tokens) tokens."""
         states, kv, prompt = self.parked.pop(r.ticket)
         for t, h in zip(self.states, prompt if r.at_prompt_end else states):
-            t[seq.slot].copy_(h, non_blocking=True)
-        nb = -(-r.num_tokens // self.block_size)
-        idx = torch.tensor(seq.block_table[:nb], dtype=torch.long, device=self.device)
+            t[slot].copy_(h, non_blocking=True)
+        nb = -(-(r.num_tokens if num_tokens is None else num_tokens) // self.block_size)
+        idx = torch.tensor(block_table[:nb], dtype=torch.long, device=self.device)
         for c, h in zip(self.kv_caches, kv):
             c[idx] = h[:nb].to(self.device, non_blocking=True)
 
@@ -216,7 +219,8 @@ class ModelRunner:
         fresh = []
         for item in batch:
             if item.seq.resume is not None:
-                self._restore(item.seq)
+                r, item.seq.resume = item.seq.resume, None
+                self.restore(item.seq.slot, item.seq.block_table, r)
             elif item.seq.num_computed_tokens == 0:
                 fresh.append(item.seq.slot)
         if fresh:

@@ -43,6 +43,7 @@ class ParkedSession:
     nbytes: int
     prompt_len: int = 0
     embeds: dict[int, str] = field(default_factory=dict)
+    draft_tokens: int = 0  # a drafter's state after tokens[:draft_tokens] parked too (0: none)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Resume:
     ticket: int
     num_tokens: int
     at_prompt_end: bool = False
+    draft_tokens: int = 0  # the drafter's parked state covers this many tokens (0: none)
 
 
 class SessionStore:
@@ -110,7 +112,8 @@ class SessionStore:
                     and {p: d for p, d in embeds.items() if p < n}
                     == {p: d for p, d in parked.embeds.items() if p < n}):
                 self.num_resumed += 1
-                return Resume(parked.ticket, n, at_prompt_end)
+                return Resume(parked.ticket, n, at_prompt_end,
+                              0 if at_prompt_end else parked.draft_tokens)
         self.forget(parked.ticket)
         self.num_mismatched += 1
         return None

@@ -13,7 +13,7 @@ import torch
 
 from volundr.converter.presets import get_config, random_state_dict
 from volundr.engine import EngineConfig, LLMEngine
-from volundr.model_runner import MAX_CHECK_LEN, MAX_CHECK_SEQS
+from volundr.model_runner import MAX_CHECK_LEN
 from volundr.sampling_params import SamplingParams
 
 EOS = (2, 0)
@@ -189,7 +189,7 @@ def test_sampled_tokens_follow_the_model_distribution(models, drafter):
             p2 = probs_after(prompt + [a, b])
             for c in p2.nonzero().flatten().tolist():
                 exact[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
-    e = engine(models, drafter, max_num_seqs=MAX_CHECK_SEQS, max_num_batched_tokens=256, seed=1)
+    e = engine(models, drafter, max_num_seqs=32, max_num_batched_tokens=256, seed=1)
     n = 2000
     ids, _, _ = run(e, [(f"s{i}", prompt, params) for i in range(n)])
     counts: dict[tuple[int, ...], int] = {}
@@ -227,6 +227,42 @@ def test_session_parked_after_speculative_steps(models):
     assert cached == len(p) + j  # the stop token itself never ran through the model
     scratch, _, _ = run(engine(models), [("x", nxt, greedy(10, ignore_eos=True))])
     assert resumed == scratch["x"]
+
+
+def test_session_parks_the_drafter_state(models):
+    """The drafter's state is parked with the session and restored with the model's: the next
+    turn's first catch-up runs the tokens after the drafter's parked count only, and with the
+    model as its own drafter its guesses are kept as before (a wrong state would lose them)."""
+    p = prompts(1, seed=6)[0]
+    e = engine(models, "self")
+    e.add_request(p, greedy(12, ignore_eos=True), "t1", session_id="s")
+    out1 = []
+    while e.has_unfinished():
+        for o in e.step():
+            out1 += o.new_token_ids
+    parked = e.sessions._parked["s"]
+    assert len(p) < parked.draft_tokens <= len(parked.tokens)
+    caught = []  # tokens of each drafter forward outside its guesses (catch-up)
+    for name in ("run", "check"):
+        fn = getattr(e.drafter, name)
+
+        def counted(batch, *a, fn=fn, **kw):
+            caught.append(sum(it.num_new_tokens for it in batch))
+            return fn(batch, *a, **kw)
+        setattr(e.drafter, name, counted)
+    before = e.stats()
+    nxt = p + out1 + [7, 8, 9]
+    e.add_request(nxt, greedy(12, ignore_eos=True), "t2", session_id="s")
+    resumed = []
+    while e.has_unfinished():
+        for o in e.step():
+            resumed += o.new_token_ids
+    st = e.stats()
+    assert caught[0] == len(nxt) - parked.draft_tokens  # (from scratch: len(nxt))
+    seqs, toks = (st[k] - before[k] for k in ("spec_seqs", "spec_tokens"))
+    assert toks >= 3 * seqs, (toks, seqs)
+    scratch, _, _ = run(engine(models), [("x", nxt, greedy(12, ignore_eos=True))])
+    assert resumed == scratch["x"] and st["sessions_resumed"] == before["sessions_resumed"] + 1
 
 
 def test_drafter_checks(models):
