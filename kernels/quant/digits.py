@@ -80,13 +80,17 @@ def _store_xd(xi, g0, xd_ptr, num_groups, GN: tl.constexpr, WA: tl.constexpr,
 
 
 @triton.jit
-def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, up_off, G: tl.constexpr,
+def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, up_off, x_row, G: tl.constexpr,
                    WA: tl.constexpr, NB: tl.constexpr, SWIGLU: tl.constexpr):
-    """Program st: the 4 groups of set st, as naive_x_digits lays them out. SWIGLU: x =
+    """Program (st, row): the 4 groups of set st of x's row `row` (x_row elements apart), as
+    naive_x_digits lays them out (row r's xd and xg r whole arrays apart). SWIGLU: x =
     SiLU(x[:K]) * x[K:] (up_off = K) rounded to x's dtype, as gemv_tc's loads make it."""
     pdl.trigger()
     pdl.wait()
-    st = tl.program_id(0)
+    st, row = tl.program_id(0), tl.program_id(1)
+    x_ptr += row * x_row
+    xd_ptr += row * (2 * num_groups * WA * NB)
+    xg_ptr += row * (2 * num_groups)
     offs = st * 4 * G + tl.arange(0, 4 * G)
     xv = tl.load(x_ptr + offs).to(tl.float32)
     if SWIGLU:
@@ -101,16 +105,18 @@ def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, up_off, G: tl.constexpr,
 
 def x_digits(x: torch.Tensor, bits: int, group_size: int = 128,
              swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [1, K] (swiglu: [1, 2K], gate then up) -> (xd int32 [2, K / G, WA, NB], xg fp32
-    [K / G, 2]) in one launch; naive.naive_x_digits is the reference. K a multiple of 4 G."""
+    """x [M, K] (swiglu: [M, 2K], gate then up) -> (xd int32 [2, K / G, WA, NB], xg fp32
+    [K / G, 2]) in one launch, each with a leading [M] when M > 1 (gemv_i8_rows); row r is
+    naive.naive_x_digits(x[r:r + 1]). K a multiple of 4 G."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
-    groups = k // group_size
-    assert x.shape[0] == 1 and groups % 4 == 0 and x.is_contiguous()
+    groups, m = k // group_size, x.shape[0]
+    assert groups % 4 == 0 and x.stride(-1) == 1
     wa, n_b = plane_rows(bits, group_size), nb(bits)
-    xd = torch.empty(2, groups, wa, n_b, dtype=torch.int32, device=x.device)
-    xg = torch.empty(groups, 2, dtype=torch.float32, device=x.device)
-    _digits_kernel[(groups // 4,)](x, xd, xg, groups, k, G=group_size, WA=wa, NB=n_b,
-                                   SWIGLU=swiglu, launch_pdl=pdl.ON.value)
+    lead = (m,) if m > 1 else ()
+    xd = torch.empty(*lead, 2, groups, wa, n_b, dtype=torch.int32, device=x.device)
+    xg = torch.empty(*lead, groups, 2, dtype=torch.float32, device=x.device)
+    _digits_kernel[(groups // 4, m)](x, xd, xg, groups, k, x.stride(0), G=group_size, WA=wa,
+                                     NB=n_b, SWIGLU=swiglu, launch_pdl=pdl.ON.value)
     return xd, xg
 
 

@@ -1,0 +1,93 @@
+"""gemv_i8_rows (2-8 rows of x on the integer tensor cores) against the engine's path for those
+rows (gemm_tc) and the one-row gemv_i8, at Volundr-32B shapes; us per call in CUDA-graph replays
+over copies of the weights (no L2 reuse), each output checked against the naive reference first.
+
+    python3 perf/kernels/diag_gemv_rows.py --out $OUT/gemv_rows.json --rows 1,2,4,5,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import triton
+
+SHAPES = [(17408, 5120, 4), (17408, 5120, 2), (5120, 17408, 3), (34816, 5120, 3)]
+
+
+def bench_case(n: int, k: int, bits: int, rows: list[int], data: dict) -> None:
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from bench_quant import STREAM_BYTES, layer_bytes, random_layer, time_graph
+
+    from volundr.kernels.quant import engine as qe
+    from volundr.kernels.quant import gemv_i8 as gi
+    from volundr.kernels.quant import gemv_i8_rows as gr
+    from volundr.kernels.quant.naive import naive_quant_matmul
+
+    nbytes = layer_bytes(random_layer(n, k, bits))
+    copies = max(2, min(64, math.ceil(STREAM_BYTES / nbytes)))
+    layers = [random_layer(n, k, bits, seed=c) for c in range(copies)]
+    for m in rows:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
+        variants = []
+        if m == 1:
+            variants.append(("gemv_i8 (engine)", lambda c: gi.gemv_i8(
+                x, *layers[c], bits, 128, **gi.config(bits, n, k))))
+        else:
+            variants.append(("gemm_tc (engine)", lambda c: qe.gemm_tc.gemm_tc(
+                x, *layers[c], bits, 128, **qe.GEMM16_TC_CONFIG[bits])))
+            for reps, waves in ((1, 16.0), (1, 8.0), (2, 8.0)):
+                if m > 4 and reps == 2:
+                    continue
+                variants.append((f"rows r{reps} w{waves:g}", lambda c, reps=reps, waves=waves:
+                                 gr.gemv_i8_rows(x, *layers[c], bits, 128, reps=reps,
+                                                 waves=waves)))
+        for name, fn in variants:
+            rec = {"n": n, "k": k, "bits": bits, "rows": m, "variant": name, "bytes": nbytes}
+            try:
+                y = fn(0)
+                torch.cuda.synchronize()
+                rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                if rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
+                    rec["us"] = time_graph(fn, copies, rep=40)
+                    rec["frac_copy"] = nbytes / (rec["us"] * 1e-6) / 1e9 / data["copy_gbs"]
+                else:
+                    rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
+            except Exception as e:  # record, go on
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            data["rows"].append(rec)
+            res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}%" if "us" in rec
+                   else rec["error"])
+            print(f"{n:6d}x{k:<6d} {bits}b M={m} {name:22s} err {rec.get('rel_err', -1):.1e} "
+                  f"{res}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="gemv_rows.json")
+    ap.add_argument("--rows", default="1,2,4,5,8")
+    ap.add_argument("--shapes", default=";".join(f"{n}:{k}:{b}" for n, k, b in SHAPES))
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(";")]
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from bench_quant import copy_bandwidth
+
+    t0 = time.time()
+    data = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "triton": triton.__version__, "copy_gbs": copy_bandwidth(), "rows": []}
+    for n, k, bits in shapes:
+        bench_case(n, k, bits, rows, data)
+        data["seconds"] = time.time() - t0
+        with open(args.out, "w") as f:  # after every case: a time limit keeps what ran
+            json.dump(data, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
