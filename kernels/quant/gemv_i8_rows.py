@@ -65,7 +65,7 @@ def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, c
     dig = (q4 % 2) * num_groups  # d1 in even columns, d0 in odd
     xd_row = 2 * num_groups * (WA * NB)
     acc = ()
-    for r in tl.static_range(R):
+    for _ in tl.static_range(R):
         acc = acc + (tl.zeros([4, Q, L, 4], dtype=tl.float32),)
     for st in range(set0, set1):
         grp = st * 4 + c4

@@ -36,17 +36,17 @@ def bench_case(n: int, k: int, bits: int, rows: list[int], data: dict) -> None:
         ref = naive_quant_matmul(x.float(), *layers[0], bits, 128, k)
         variants = []
         if m == 1:
-            variants.append(("gemv_i8 (engine)", lambda c: gi.gemv_i8(
+            variants.append(("gemv_i8 (engine)", lambda c, x=x: gi.gemv_i8(
                 x, *layers[c], bits, 128, **gi.config(bits, n, k))))
         else:
-            variants.append(("gemm_tc (engine)", lambda c: qe.gemm_tc.gemm_tc(
+            variants.append(("gemm_tc (engine)", lambda c, x=x: qe.gemm_tc.gemm_tc(
                 x, *layers[c], bits, 128, **qe.GEMM16_TC_CONFIG[bits])))
             for reps, waves in ((1, 16.0), (1, 8.0), (2, 8.0)):
                 if m > 4 and reps == 2:
                     continue
-                variants.append((f"rows r{reps} w{waves:g}", lambda c, reps=reps, waves=waves:
-                                 gr.gemv_i8_rows(x, *layers[c], bits, 128, reps=reps,
-                                                 waves=waves)))
+                variants.append((f"rows r{reps} w{waves:g}",
+                                 lambda c, x=x, reps=reps, waves=waves: gr.gemv_i8_rows(
+                                     x, *layers[c], bits, 128, reps=reps, waves=waves)))
         for name, fn in variants:
             rec = {"n": n, "k": k, "bits": bits, "rows": m, "variant": name, "bytes": nbytes}
             try:
