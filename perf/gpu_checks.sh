@@ -32,7 +32,8 @@ fi
 if [ "$PART" != bench ]; then
   TESTS=${TESTS:-"tests/test_gpu_engine.py tests/test_engine.py tests/test_kernels_engram.py \
     tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py \
-    tests/test_triton_only.py tests/test_gemv_chain.py tests/test_gemv_i8.py tests/test_residual_fold.py \
+    tests/test_triton_only.py tests/test_gemv_chain.py tests/test_gemv_i8.py tests/test_gemv_i8_rows.py \
+    tests/test_residual_fold.py \
     tests/test_kv_cache_dtype.py tests/test_sessions.py tests/test_speculative.py \
     tests/test_kernels_kda.py"}
   # shellcheck disable=SC2086

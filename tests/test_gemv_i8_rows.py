@@ -76,6 +76,33 @@ def test_cuda_gemv_i8_rows(bits, n, k):
         assert rel(y, naive_quant_matmul(xs.float(), *layer, bits, 128, k)) < 4e-3, m
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_engine_rows_path(monkeypatch):
+    """VOLUNDR_I8_ROWS=2: the engine's 2-row matmuls (plain and with the MLP's SwiGLU) take
+    gemv_i8_rows, == the naive reference; 3 rows stay on gemm_tc."""
+    from volundr.kernels.quant import engine as qe
+    from volundr.kernels.quant import gemv_i8_rows as gr
+
+    monkeypatch.setattr(qe, "I8_ROWS", 2)
+    calls = []
+    monkeypatch.setattr(gr, "gemv_i8_rows", lambda *a, _f=gr.gemv_i8_rows, **kw:
+                        calls.append(a[0].shape[0]) or _f(*a, **kw))
+    for bits in (2, 3, 4):
+        n, k = 5120, 5120
+        layer = _layer(n, k, bits, bits)
+        for m in (2, 3):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
+            y = qe.quant_matmul(x, *layer, bits, 128)
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
+            gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
+            xs = (torch.nn.functional.silu(gu[:, :k].float()) * gu[:, k:].float())
+            y = qe.quant_matmul(gu, *layer, bits, 128, swiglu=True)
+            ref = naive_quant_matmul(xs.to(torch.bfloat16).float(), *layer, bits, 128, k)
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
+    assert calls == [2, 2] * 3
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["digits"]:
         check_rows_digits("cpu")

@@ -48,7 +48,7 @@ def _install_fake_driver() -> list[str]:
         if kwargs.get("launch_pdl"):
             PDL_PTX.append((self.__name__, kernel.asm["ptx"]))
         if self.__name__ in ("gemv_tc_kernel", "gemm_tc_kernel", "gemv_chain_kernel",
-                             "gemv_i8_kernel"):
+                             "gemv_i8_kernel", "gemv_i8_rows_kernel"):
             TC_TTGIR.append((self.__name__, kernel.asm["ttgir"]))
         return kernel
 
@@ -251,6 +251,10 @@ def compile_all() -> list[str]:
         quant.quant_matmul(torch.randn(1, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
         assert quant.quant_matmul_rscaled(torch.randn(1, 1024, dtype=bf), torch.rand(8), 1e-6,
                                           qa, qb, sz, bits, 128) is not None
+        rows_, quant.I8_ROWS = quant.I8_ROWS, 2  # gemv_i8_rows (opt-in): 2 rows of x
+        quant.quant_matmul(torch.randn(2, 1024, dtype=bf), qa, qb, sz, bits, 128)
+        quant.quant_matmul(torch.randn(2, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
+        quant.I8_ROWS = rows_
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
                               early=False, splits=1)
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128, late=True)
@@ -349,7 +353,7 @@ def test_kernels_compile_for_sm90(pdl):
                 "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel",
                 "quant_matmul_kernel",
                 "dequant_kernel", "gemv_tc_kernel", "gemv_chain_kernel", "gemv_i8_kernel",
-                "_digits_kernel"}
+                "gemv_i8_rows_kernel", "_digits_kernel"}
     assert expected <= names, f"not compiled: {expected - names}"
 
 
