@@ -15,9 +15,10 @@ default before 2026-12-05); +i8 = tc16 with the integer tensor-core GEMV (gemv_i
 plain, SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without a suffix),
 +dig / +nodig = with it x's digits written by the residual epilogues or made by a launch before
 each GEMV (engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger after its main
-loop or at its top (the default; gemv_i8.LATE_TRIGGER); +fold = the residual add + RMSNorm into
-the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into its
-o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
+loop or at its top (the default; gemv_i8.LATE_TRIGGER), +i8rows2 = the 2-row matmuls on
+gemv_i8_rows (engine.I8_ROWS; with --batches 2 for a batch-2 row); +fold = the residual add +
+RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm
+folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
 in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
 (engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one
 persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold
@@ -455,6 +456,9 @@ def main() -> None:
     ap.add_argument("--session-lens", default="",
                     help="comma-separated turn-1 lengths: turn 2's time to first token resumed "
                     "from the parked session against from scratch (< --max-model-len - 96)")
+    ap.add_argument("--batches", default="",
+                    help="more decode rows at these batch sizes (e.g. 2,4: rows batch2, batch4, "
+                    "with their graph replay times), each at most --max-num-seqs")
     ap.add_argument("--max-num-seqs", type=int, default=16,
                     help="below 16: no batch-16 rows, and the KV pool is the memory plan's "
                     "under the budget (as the server sizes it), e.g. 1 for the 16gb profile's "
@@ -521,7 +525,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
-                qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER)
+                qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -535,6 +539,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMV_CHAIN = sfx == "chain"
         elif sfx in ("dig", "nodig"):  # i8: x's digits from the epilogues / launches
             qengine.DIGITS_EPILOGUE = sfx == "dig"
+        elif sfx[:6] == "i8rows" and sfx[6:].isdigit():  # gemv_i8_rows up to N rows
+            qengine.I8_ROWS = int(sfx[6:])
         elif sfx in ("i8late", "i8top"):  # gemv_i8's PDL trigger after its loop / at its top
             gemv_i8.LATE_TRIGGER = sfx == "i8late"
         elif sfx in ("lrfold", "nolrfold"):  # KDA's f_b / g_b in its decode kernel / not
@@ -576,7 +582,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, i8late, i8top, "
+                             "dig, nodig, i8late, i8top, i8rowsN, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
                              "fp8kv, draft, draftself, kN)")
@@ -592,7 +598,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
-         qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER) = defaults
+         qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
@@ -639,6 +645,11 @@ def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
         entry["single"] = decode_rate(engine, 1, args.prompt_len, args.tokens)
         if args.max_num_seqs >= 16:
             entry["batch16"] = decode_rate(engine, 16, args.prompt_len, args.tokens // 2)
+        for bs in (int(b) for b in args.batches.split(",") if b):  # e.g. 2: two streams
+            if bs <= args.max_num_seqs:
+                entry[f"batch{bs}"] = decode_rate(engine, bs, args.prompt_len, args.tokens // 2)
+                if use_graphs:
+                    entry[f"batch{bs}"]["graph_ms"] = graph_ms(engine, bs)
         if use_graphs:
             entry["single"]["graph_ms"] = graph_ms(engine, 1)
             if args.max_num_seqs >= 16:
