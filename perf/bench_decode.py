@@ -18,9 +18,9 @@ each GEMV (engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger aft
 loop or at its top (the default; gemv_i8.LATE_TRIGGER), +i8rows2 = the 2-row matmuls on
 gemv_i8_rows (engine.I8_ROWS; with --batches 2 for a batch-2 row); +fold = the residual add +
 RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm
-folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
-in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
-(engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one
+folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual
+add + next RMSNorm in the output projections' GEMV epilogue and the norm's scale in the next
+GEMV, or not (engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one
 persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold
 = KDA's f_b / g_b computed in its decode kernel
 or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL trigger at its top
