@@ -224,6 +224,12 @@ class CheckGraphs:
     def _size(self, n: int) -> int:
         return next(s for s in sorted(self.graphs) if s >= n)
 
+    def _padded_cu(self, lay: dict[str, list], size: int) -> list[int]:
+        """The layout's cu for a graph of `size` sequences: each padding sequence empty and its
+        gap over its L rows."""
+        L, n = self.L, len(lay["slots"]) // 2
+        return lay["cu"] + [x for i in range(n, size) for x in (i * L, (i + 1) * L)]
+
     @torch.inference_mode()
     def run_check(self, lay: dict[str, list]) -> torch.Tensor | None:
         """Replays the check of a layout (ModelRunner.check_layout); logits [n * L, vocab]."""
@@ -233,8 +239,7 @@ class CheckGraphs:
         width = max(len(t) for t in lay["tables"])
         i64 = (lay["slots"] + [-1] * (2 * (size - n)) + lay["slot_mapping"] + [-1] * (Tn - T)
                + [i for row in lay["ngrams"] for i in row] + [pad] * ((Tn - T) * m))
-        i32 = (lay["cu"] + [x for i in range(n, size) for x in (i * L, (i + 1) * L)]
-               + lay["ctx"] + [1] * (Tn - T)
+        i32 = (self._padded_cu(lay, size) + lay["ctx"] + [1] * (Tn - T)
                + [i for t in lay["tables"][::L] for i in t + [0] * (width - len(t))])
         a64, a32 = (torch.tensor(v, dtype=d).pin_memory().to(self.device, non_blocking=True)
                     for v, d in ((i64, torch.long), (i32, torch.int32)))
@@ -254,8 +259,8 @@ class CheckGraphs:
     @torch.inference_mode()
     def run_commit(self, n: int, lay: dict[str, list]) -> None:
         """Replays the commit after `run_check` of n sequences (lay: its commit layout)."""
-        size, L = self._size(n), self.L
-        cu = lay["cu"] + [x for i in range(n, size) for x in (i * L, (i + 1) * L)]
-        self.cu_commit[:2 * size + 1] = torch.tensor(cu, dtype=torch.int32).pin_memory().to(
-            self.device, non_blocking=True)
+        size = self._size(n)
+        self.cu_commit[:2 * size + 1] = torch.tensor(
+            self._padded_cu(lay, size), dtype=torch.int32).pin_memory().to(self.device,
+                                                                           non_blocking=True)
         self.graphs[size][1].replay()

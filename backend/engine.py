@@ -103,6 +103,8 @@ class LLMEngine:
         steps then check ecfg.num_speculative_tokens of its guesses at once
         (volundr.speculative)."""
         self.cfg, self.ecfg = cfg, ecfg
+        # tokens per sequence of a speculative check (t_0 and the guesses); 0: no drafter
+        self.check_len = ecfg.num_speculative_tokens + 1 if draft is not None else 0
         if draft is not None and ecfg.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if draft is not None and draft[0].vocab_size != cfg.vocab_size:
@@ -119,7 +121,7 @@ class LLMEngine:
                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
                                       gpu_budget_gib=ecfg.gpu_gib, kv_dtype=ecfg.kv_dtype,
-                                      check_len=self._check_len(draft))
+                                      check_len=self.check_len)
         self.drafter = None
         # speculative steps, the sequences they ran (a sequence per step), the tokens they made
         self.spec_steps = self.spec_seqs = self.spec_tokens = 0
@@ -130,7 +132,7 @@ class LLMEngine:
             self.drafter = ModelRunner(dcfg, dsd, torch.device(ecfg.device), ecfg.dtype,
                                        ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
                                        ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
-                                       kv_dtype=ecfg.kv_dtype, check_len=self._check_len(draft),
+                                       kv_dtype=ecfg.kv_dtype, check_len=self.check_len,
                                        check_logits=False)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
@@ -160,10 +162,6 @@ class LLMEngine:
                 s.num_draft_computed = r.draft_tokens
             else:
                 self.drafter.forget(r.ticket)
-
-    def _check_len(self, draft) -> int:
-        """Tokens per sequence of a speculative check (t_0 and k guesses); 0 without a drafter."""
-        return self.ecfg.num_speculative_tokens + 1 if draft is not None else 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -233,8 +231,7 @@ class LLMEngine:
         k, spec = self._speculative(batch)
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
-            L = self.ecfg.num_speculative_tokens + 1
-            tokens = speculate(self.runner, self.drafter, spec, k, L,
+            tokens = speculate(self.runner, self.drafter, spec, k, self.check_len,
                                self.ecfg.max_num_batched_tokens, self._counted)
             self.spec_steps += 1
             self.spec_seqs += len(spec)

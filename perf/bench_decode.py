@@ -214,7 +214,11 @@ def graph_ms(engine: LLMEngine, bs: int, reps: int = 50) -> float | None:
     graphs = engine.runner.graphs
     if graphs is None or bs not in graphs.graphs or engine.ecfg.tensor_parallel_size > 1:
         return None
-    g = graphs.graphs[bs]
+    return replay_ms(graphs.graphs[bs], reps)
+
+
+def replay_ms(g: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    """ms per replay of a captured graph (replays back to back, after one untimed)."""
     g.replay()
     sync()
     t = time.perf_counter()

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_decode import build, decode_rate, sync
+from bench_decode import build, decode_rate, graph_ms, replay_ms, sync
 
 import volundr.speculative as spec
 
@@ -65,23 +65,8 @@ def main() -> None:
            "calls": {n: len(v) for n, v in totals.items()}}
     checks = getattr(t_runner, "checks", None)
     if checks is not None and checks.graphs:
-        g = checks.graphs[min(checks.graphs)][0]
-        g.replay()
-        sync()
-        t = time.perf_counter()
-        for _ in range(20):
-            g.replay()
-        sync()
-        res["check_graph_ms"] = 1e3 * (time.perf_counter() - t) / 20
-    res["decode_graph_ms"] = None
-    if t_runner.graphs is not None:
-        g = t_runner.graphs.graphs[1]
-        sync()
-        t = time.perf_counter()
-        for _ in range(20):
-            g.replay()
-        sync()
-        res["decode_graph_ms"] = 1e3 * (time.perf_counter() - t) / 20
+        res["check_graph_ms"] = replay_ms(checks.graphs[min(checks.graphs)][0], 20)
+    res["decode_graph_ms"] = graph_ms(e, 1, 20)
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

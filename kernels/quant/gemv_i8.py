@@ -170,6 +170,30 @@ def consts(bits: int) -> dict:
 
 # ---- the GEMV ------------------------------------------------------------------------------------
 @triton.jit
+def block_steps(s1, s0, t1, t0, ws, bws, xbs, blk: tl.constexpr, BITS: tl.constexpr,
+                ASM_STEP: tl.constexpr, CONS: tl.constexpr):
+    """Block blk of a group (`consts`' PTX steps): the sums (s1, s0, t1, t0) [4, Q, L, 4] int32
+    after the block's A words ws (4), 3-bit's B words bws (4; () otherwise) against x's digits
+    xbs (NB registers). gemv_i8_kernel and gemv_i8_rows (per row) run it."""
+    if BITS == 4:
+        for pp in tl.static_range(2):
+            s1, s0, t1, t0 = tl.inline_asm_elementwise(
+                ASM_STEP[pp], CONS, (s1, s0, t1, t0, ws[2 * pp], ws[2 * pp + 1]) + xbs,
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+    elif BITS == 2:
+        for s in tl.static_range(4):
+            s1, s0, t1, t0 = tl.inline_asm_elementwise(
+                ASM_STEP[s], CONS, (s1, s0, t1, t0, ws[s]) + xbs,
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+    else:
+        for s in tl.static_range(4):
+            s1, s0, t1, t0 = tl.inline_asm_elementwise(
+                ASM_STEP[blk * 4 + s], CONS, (s1, s0, t1, t0, ws[s], bws[s]) + xbs,
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+    return s1, s0, t1, t0
+
+
+@triton.jit
 def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr, rs_ptr,
                    num_groups, sets_per_split, num_splits, n_rs, eps,
                    N: tl.constexpr, BITS: tl.constexpr, WA: tl.constexpr, NB: tl.constexpr,
@@ -227,21 +251,8 @@ def gemv_i8_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_pt
                     ws = ws + (pre[s],)
                 else:
                     ws = ws + (_ld(qa_ptr + (grp * WA + blk * 4 + s) * N + n, nmask, False),)
-            if BITS == 4:
-                for pp in tl.static_range(2):
-                    s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                        ASM_STEP[pp], CONS, (s1, s0, t1, t0, ws[2 * pp], ws[2 * pp + 1]) + xbs,
-                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
-            elif BITS == 2:
-                for s in tl.static_range(4):
-                    s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                        ASM_STEP[s], CONS, (s1, s0, t1, t0, ws[s]) + xbs,
-                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
-            else:
-                for s in tl.static_range(4):
-                    s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                        ASM_STEP[blk * 4 + s], CONS, (s1, s0, t1, t0, ws[s], bws[s]) + xbs,
-                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+            s1, s0, t1, t0 = block_steps(s1, s0, t1, t0, ws, bws, xbs, blk, BITS, ASM_STEP,
+                                         CONS)
         s1 += t1 >> (8 // NB)  # the scaled codes' sums are exact multiples of 16 or 4
         s0 += t0 >> (8 // NB)
         szw = _ld(sz_ptr + grp * N + n, nmask, False)

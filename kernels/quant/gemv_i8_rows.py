@@ -24,7 +24,7 @@ import triton.language as tl
 from volundr.kernels import pdl
 from volundr.kernels.quant.digits import nb, plane_rows, x_digits
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
-from volundr.kernels.quant.gemv_i8 import consts
+from volundr.kernels.quant.gemv_i8 import block_steps, consts
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
 
 MAX_ROWS = 8
@@ -101,22 +101,8 @@ def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, c
                 for u in tl.static_range(NB):
                     xbs = xbs + (_ld(xd_ptr + r * xd_row + (dig + grp) * (WA * NB) + blk * 4 * NB
                                      + 4 * u + j4, sel, True),)
-                if BITS == 4:
-                    for pp in tl.static_range(2):
-                        s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                            ASM_STEP[pp], CONS, (s1, s0, t1, t0, ws[2 * pp], ws[2 * pp + 1])
-                            + xbs, dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                            is_pure=True, pack=4)
-                elif BITS == 2:
-                    for s in tl.static_range(4):
-                        s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                            ASM_STEP[s], CONS, (s1, s0, t1, t0, ws[s]) + xbs,
-                            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
-                else:
-                    for s in tl.static_range(4):
-                        s1, s0, t1, t0 = tl.inline_asm_elementwise(
-                            ASM_STEP[blk * 4 + s], CONS, (s1, s0, t1, t0, ws[s], bws[s]) + xbs,
-                            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+                s1, s0, t1, t0 = block_steps(s1, s0, t1, t0, ws, bws, xbs, blk, BITS,
+                                             ASM_STEP, CONS)
                 s1 += t1 >> (8 // NB)  # the scaled codes' sums are exact multiples of 16 or 4
                 s0 += t0 >> (8 // NB)  # (|128 s1 + s0| < 2^24: exact in fp32)
                 sx = tl.load(xg_ptr + r * 2 * num_groups + grp * 2)  # (an L1 hit after the first)

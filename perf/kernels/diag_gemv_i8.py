@@ -32,7 +32,7 @@ SHAPES = [(5120, 5120), (15680, 5120), (17408, 5120), (34816, 5120), (5120, 1740
 
 def bench_case(n: int, k: int, bits: int, cfgs: list, data: dict) -> None:
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from bench_quant import STREAM_BYTES, layer_bytes, random_layer, time_graph
+    from bench_quant import STREAM_BYTES, layer_bytes, random_layer
 
     from volundr.kernels.quant import gemv_i8 as gi
     from volundr.kernels.quant.engine import GEMV_TC_CONFIG
@@ -66,24 +66,35 @@ def bench_case(n: int, k: int, bits: int, cfgs: list, data: dict) -> None:
             continue
         variants.append((name, i8_fn(*cfg)))
     for name, fn in variants:
-        rec = {"n": n, "k": k, "bits": bits, "variant": name, "bytes": nbytes}
-        try:
-            y.fill_(float("nan"))
-            fn(0)
-            torch.cuda.synchronize()
-            rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-            if rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
-                rec["us"] = time_graph(fn, copies, rep=40)
-                rec["frac_copy"] = nbytes / (rec["us"] * 1e-6) / 1e9 / data["copy_gbs"]
-            else:
-                rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
-        except Exception as e:  # record, go on
-            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        data["rows"].append(rec)
-        res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}%" if "us" in rec
-               else rec["error"])
-        print(f"{n:6d}x{k:<6d} {bits}b {name:30s} err {rec.get('rel_err', -1):.1e} {res}",
-              flush=True)
+        measure({"n": n, "k": k, "bits": bits, "variant": name, "bytes": nbytes}, fn, ref,
+                copies, data, f"{n:6d}x{k:<6d} {bits}b {name:30s}", out=y)
+
+
+def measure(rec: dict, fn, ref: torch.Tensor, copies: int, data: dict, label: str,
+            out: torch.Tensor | None = None) -> None:
+    """Checks fn(0)'s output (out, filled with NaN first, where fn writes into it) against
+    ref, then times fn over the weight copies in a CUDA graph (bench_quant.time_graph); rec
+    (with "bytes") gets rel_err, us and frac_copy, or the error, and goes into data["rows"];
+    one line printed."""
+    from bench_quant import time_graph
+
+    try:
+        if out is not None:
+            out.fill_(float("nan"))
+        y = fn(0)
+        torch.cuda.synchronize()
+        rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+        if rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
+            rec["us"] = time_graph(fn, copies, rep=40)
+            rec["frac_copy"] = rec["bytes"] / (rec["us"] * 1e-6) / 1e9 / data["copy_gbs"]
+        else:
+            rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
+    except Exception as e:  # record, go on
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    data["rows"].append(rec)
+    res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}%" if "us" in rec
+           else rec["error"])
+    print(f"{label} err {rec.get('rel_err', -1):.1e} {res}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,8 @@ SHAPES = [(17408, 5120, 4), (17408, 5120, 2), (5120, 17408, 3), (34816, 5120, 3)
 
 def bench_case(n: int, k: int, bits: int, rows: list[int], data: dict) -> None:
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from bench_quant import STREAM_BYTES, layer_bytes, random_layer, time_graph
+    from bench_quant import STREAM_BYTES, layer_bytes, random_layer
+    from diag_gemv_i8 import measure
 
     from volundr.kernels.quant import engine as qe
     from volundr.kernels.quant import gemv_i8 as gi
@@ -48,23 +49,8 @@ def bench_case(n: int, k: int, bits: int, rows: list[int], data: dict) -> None:
                                  lambda c, x=x, reps=reps, waves=waves: gr.gemv_i8_rows(
                                      x, *layers[c], bits, 128, reps=reps, waves=waves)))
         for name, fn in variants:
-            rec = {"n": n, "k": k, "bits": bits, "rows": m, "variant": name, "bytes": nbytes}
-            try:
-                y = fn(0)
-                torch.cuda.synchronize()
-                rec["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                if rec["rel_err"] < 1e-2:  # NaN too: never time a wrong kernel
-                    rec["us"] = time_graph(fn, copies, rep=40)
-                    rec["frac_copy"] = nbytes / (rec["us"] * 1e-6) / 1e9 / data["copy_gbs"]
-                else:
-                    rec["error"] = f"wrong result: rel_err {rec['rel_err']:.3g}"
-            except Exception as e:  # record, go on
-                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            data["rows"].append(rec)
-            res = (f"{rec['us']:8.2f} us {100 * rec['frac_copy']:5.1f}%" if "us" in rec
-                   else rec["error"])
-            print(f"{n:6d}x{k:<6d} {bits}b M={m} {name:22s} err {rec.get('rel_err', -1):.1e} "
-                  f"{res}", flush=True)
+            measure({"n": n, "k": k, "bits": bits, "rows": m, "variant": name, "bytes": nbytes},
+                    fn, ref, copies, data, f"{n:6d}x{k:<6d} {bits}b M={m} {name:22s}")
 
 
 def main(argv=None) -> int:
