@@ -1,7 +1,9 @@
-"""gemv_i8_rows (kernels/quant/gemv_i8_rows.py): x_digits of several rows == naive_x_digits row
-by row (the CPU through TRITON_INTERPRET=1: a subprocess, this file as a script); on CUDA the
-GEMV == the naive reference for 2-8 rows, SwiGLU x and split-K or not. Its PTX steps are
-gemv_i8's, whose operand order tests/test_gemv_i8.py checks on the CPU."""
+"""gemv_i8_rows (kernels/quant/gemv_i8_rows.py). CPU: its lanes emulated (gemv_i8's PTX steps
+fed one group's word rows per lane column and the digits of up to 4 x rows per B, through
+test_gemv_i8.run_asm) == direct integer sums, at 2, 3 and 4 bits, for 1-8 rows, with a wrong
+feed caught; x_digits of several rows == naive_x_digits row by row (TRITON_INTERPRET=1 in a
+subprocess, this file as a script). CUDA: the GEMV == the naive reference for 1-16 rows,
+SwiGLU x and split-K or not; the engine's rows path."""
 
 from __future__ import annotations
 
@@ -11,10 +13,109 @@ import sys
 
 import pytest
 import torch
+from test_gemv_i8 import run_asm  # (tests/ is on the path under pytest and as a script)
 
-from volundr.kernels.quant.naive import naive_quant_matmul, naive_x_digits
+from volundr.kernels.quant import gemv_i8_rows as gr
+from volundr.kernels.quant.naive import XMAX, naive_quant_matmul, naive_x_digits
+from volundr.kernels.quant.pack import to_kernel_layout
 
 CUDA = torch.cuda.is_available()
+
+
+def emulated_rows_error(bits: int, m: int, seed: int = 0, feed=None) -> int:
+    """One group of 128 inputs, 32 output rows (one warp, rows 4 quad + j) and m <= 8 x rows
+    through the emulated PTX as gemv_i8_rows_kernel feeds it: lane (quad, c) holds word rows
+    4c..4c + 3 (4-bit) or c, 4 + c (2, 3 bits) of the group, B lane (quad, c) the digits of x row
+    4 b + quad // 2 (digit quad % 2) at those rows; D lane (quad, c) then holds x row 4 b + c's
+    sums. Returns the largest |difference| from the direct sums of codes x digits (0 when
+    right). feed: (bits, lane c) -> the word rows lane c's A words come from (its digits stay
+    the kernel's), to inject a wrong mapping."""
+    gen = torch.Generator().manual_seed(seed)
+    g = 128
+    n_b = gr.nb(bits)
+    q = torch.randint(0, 2**bits, (32, g), generator=gen)
+    x = torch.randn(m, g, generator=gen).to(torch.bfloat16)
+    xds = [naive_x_digits(x[r:r + 1], bits, g)[0][:, 0] for r in range(m)]  # [2, WA, NB]
+    qa, qb = to_kernel_layout(q.to(torch.uint8), bits, g)  # [WA, 32], 3-bit [WA / 2, 32]
+    asm = gr.consts(bits)["ASM_STEP"]
+    lanes = range(32)
+    rows_of = (lambda b, c: [4 * c + s for s in range(4)] if b == 4 else [c, 4 + c])
+    a_rows = feed or rows_of
+
+    def words(plane: torch.Tensor, row_of) -> list[list[int]]:  # 4 tensors (j) of 32 lanes
+        return [[int(plane[row_of(lane % 4), 4 * (lane // 4) + j]) for lane in lanes]
+                for j in range(4)]
+
+    def digits(b: int, i: int) -> list[list[int]]:  # B tensor i (4 registers j) of x block b
+        out = []
+        for j in range(4):
+            vals = []
+            for lane in lanes:
+                quad, c = lane // 4, lane % 4
+                r = 4 * b + quad // 2
+                rws = rows_of(bits, c)
+                if r >= m:
+                    vals.append(0)
+                elif bits == 4:  # pair i: rows (2i, 2i + 1) of block c in xd's order
+                    blk = xds[r][quad % 2, rws[0]:rws[0] + 4, :].reshape(-1)
+                    vals.append(int(blk[4 * i + j]))
+                else:
+                    vals.append(int(xds[r][quad % 2, rws[i], j]))
+            out.append(vals)
+        return out
+
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    xi = torch.floor(xf * (XMAX / amax) + 0.5).clamp(-XMAX, XMAX).to(torch.int64)
+    d1 = torch.div(xi + 64, 128, rounding_mode="floor")
+    d0 = xi - 128 * d1
+    err = 0
+    for b in range((m + 3) // 4):
+        acc = [[0] * 32 for _ in range(16)]
+        xb = digits(b, 0) + digits(b, 1)
+        for i in range(2):
+            ins = {16 + t: acc[t] for t in range(16)}
+            if bits == 4:
+                w = words(qa, lambda c, i=i: a_rows(4, c)[2 * i]) + \
+                    words(qa, lambda c, i=i: a_rows(4, c)[2 * i + 1])
+                ins.update({32 + t: v for t, v in enumerate(w)})
+                ins.update({40 + t: v for t, v in enumerate(xb)})
+            else:
+                ins.update({32 + t: v for t, v in
+                            enumerate(words(qa, lambda c, i=i: a_rows(bits, c)[i]))})
+                o = 36
+                if bits == 3:
+                    ins.update({36 + t: v for t, v in
+                                enumerate(words(qb, lambda c: a_rows(3, c)[0] % 4))})
+                    o = 40
+                ins.update({o + t: v for t, v in enumerate(xb)})
+            acc = run_asm(asm[i], ins, 16)
+        s1 = torch.tensor(acc[0:4]).t() + (torch.tensor(acc[8:12]).t() >> (8 // n_b))
+        s0 = torch.tensor(acc[4:8]).t() + (torch.tensor(acc[12:16]).t() >> (8 // n_b))
+        for lane in lanes:
+            quad, c = lane // 4, lane % 4
+            r = 4 * b + c
+            if r >= m:
+                continue
+            for j in range(4):
+                row = q[4 * quad + j].to(torch.int64)
+                err = max(err, abs(int((row * d1[r]).sum()) - int(s1[lane, j])),
+                          abs(int((row * d0[r]).sum()) - int(s0[lane, j])))
+    return err
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_rows_lanes_emulated(bits):
+    for m, seed in ((1, 0), (4, 1), (6, 2)):
+        assert emulated_rows_error(bits, m, seed) == 0, (bits, m)
+
+
+def test_rows_wrong_feed_is_caught():
+    """Lane columns fed another lane's word rows (the digits stay) give wrong sums."""
+    for bits in (2, 3, 4):
+        wrong = (lambda b, c: [4 * ((c + 1) % 4) + s for s in range(4)] if b == 4
+                 else [(c + 1) % 4, 4 + c])
+        assert emulated_rows_error(bits, 4, 0, wrong) > 0
 
 
 def check_rows_digits(device: str) -> None:
@@ -57,17 +158,16 @@ def _layer(n: int, k: int, bits: int, seed: int):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("n,k", [(1024, 512), (17408, 5120), (5120, 17408)])
 def test_cuda_gemv_i8_rows(bits, n, k):
-    from volundr.kernels.quant import gemv_i8_rows as gr
-
     layer = _layer(n, k, bits, n + k + bits)
 
     def rel(y, r):
         return ((y.float() - r).norm() / r.norm()).item()
 
-    for m in (2, 3, 5, 8):
+    small = n * k < 1 << 20  # the configs at the small shape, the default at Volundr-32B's
+    for m in (1, 3, 5, 16) if small else (2, 8, 13):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
-        for kw in ({}, {"splits": 1}):
+        for kw in ({}, {"splits": 1}, {"reps": 1, "unroll": 2}) if small else ({},):
             y = gr.gemv_i8_rows(x, *layer, bits, 128, **kw)
             assert y.shape == (m, n) and rel(y, ref) < 4e-3, (m, kw, rel(y, ref))
         gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
@@ -78,19 +178,18 @@ def test_cuda_gemv_i8_rows(bits, n, k):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_engine_rows_path(monkeypatch):
-    """VOLUNDR_I8_ROWS=2: the engine's 2-row matmuls (plain and with the MLP's SwiGLU) take
-    gemv_i8_rows, == the naive reference; 3 rows stay on gemm_tc."""
+    """VOLUNDR_I8_ROWS=8: the engine's 2-8-row matmuls (plain and with the MLP's SwiGLU) take
+    gemv_i8_rows, == the naive reference; 9 rows stay on gemm_tc."""
     from volundr.kernels.quant import engine as qe
-    from volundr.kernels.quant import gemv_i8_rows as gr
 
-    monkeypatch.setattr(qe, "I8_ROWS", 2)
+    monkeypatch.setattr(qe, "I8_ROWS", 8)
     calls = []
     monkeypatch.setattr(gr, "gemv_i8_rows", lambda *a, _f=gr.gemv_i8_rows, **kw:
                         calls.append(a[0].shape[0]) or _f(*a, **kw))
     for bits in (2, 3, 4):
         n, k = 5120, 5120
         layer = _layer(n, k, bits, bits)
-        for m in (2, 3):
+        for m in (2, 8, 9):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
             y = qe.quant_matmul(x, *layer, bits, 128)
@@ -100,7 +199,7 @@ def test_cuda_engine_rows_path(monkeypatch):
             y = qe.quant_matmul(gu, *layer, bits, 128, swiglu=True)
             ref = naive_quant_matmul(xs.to(torch.bfloat16).float(), *layer, bits, 128, k)
             assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
-    assert calls == [2, 2] * 3
+    assert calls == [2, 2, 8, 8] * 3
 
 
 if __name__ == "__main__":

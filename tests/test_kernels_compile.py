@@ -251,9 +251,9 @@ def compile_all() -> list[str]:
         quant.quant_matmul(torch.randn(1, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
         assert quant.quant_matmul_rscaled(torch.randn(1, 1024, dtype=bf), torch.rand(8), 1e-6,
                                           qa, qb, sz, bits, 128) is not None
-        rows_, quant.I8_ROWS = quant.I8_ROWS, 2  # gemv_i8_rows (opt-in): 2 rows of x
+        rows_, quant.I8_ROWS = quant.I8_ROWS, 16  # gemv_i8_rows (opt-in): 2 and 5 rows of x
         quant.quant_matmul(torch.randn(2, 1024, dtype=bf), qa, qb, sz, bits, 128)
-        quant.quant_matmul(torch.randn(2, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
+        quant.quant_matmul(torch.randn(5, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
         quant.I8_ROWS = rows_
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
                               early=False, splits=1)

@@ -79,14 +79,12 @@ if GEMM16_PATH not in ("tile", "tc"):
 # reps 2, waves 8: within 5% of the best config of the H200 comparison at every shape but the
 # 2/3-bit lm_head at M = 16 (1.19x / 1.40x its best, reps 4 waves 4)
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
-# Up to this many rows on gemv_i8_rows (the integer tensor-core GEMV, an mma per row) instead of
-# gemm_tc; 0: off, the default until its engine path has run on a GPU. H100 run 115, 17408x5120:
-# 2 rows 24.5 vs 31.9 us (4-bit, reps 2 waves 8) and 15.4 vs 26.7 us (2-bit, reps 1 waves 16),
-# 5 rows 39.2 vs 33.2 and 29.6 vs 27.3 us (slower: registers), 8 rows 1.5-2.6x slower.
-# VOLUNDR_I8_ROWS=2 turns it on for 2 rows (batch-2 decode, a speculative check of 1 guess).
+# Up to this many rows (2..16) on gemv_i8_rows (the integer tensor-core GEMV with the rows in the
+# mma's N: 4 rows cost about what one does) instead of gemm_tc; 0: off, the default until its
+# engine path has run on a GPU. VOLUNDR_I8_ROWS=16 turns it on for every decode batch and
+# speculative check up to 16 rows.
 I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "0"))
-I8_ROWS_CONFIG = {2: dict(reps=1, waves=16.0), 3: dict(reps=1, waves=16.0),
-                  4: dict(reps=2, waves=8.0)}
+I8_ROWS_CONFIG = {b: dict(gemv_i8_rows.CONFIG[b]) for b in (2, 3, 4)}
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
@@ -169,7 +167,8 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
     if (1 < m <= I8_ROWS and GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
-            and gemv_i8_rows.supported(x, bits, group_size, n, k, I8_ROWS_CONFIG[bits]["reps"])):
+            and gemv_i8_rows.supported(x, bits, group_size, n, k, I8_ROWS_CONFIG[bits]["reps"],
+                                       I8_ROWS_CONFIG[bits]["unroll"])):
         return gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                          **I8_ROWS_CONFIG[bits])
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM

@@ -1,21 +1,30 @@
-"""gemv_i8 for 2-8 rows of x: the weights decoded once, an integer mma per row.
+"""gemv_i8 for 2-16 rows of x: the rows in the integer mma's N, one group per mma.
 
-For M = 2..16 rows the engine's path is gemm_tc (bf16 tensor-core GEMM), which costs ~1.6-2x the
-one-row gemv_i8 per weight, nearly flat in M (perf/RESULTS.md session 26: a speculative check of
-5 rows takes 2.1x a decode step on Volundr-32B). Here each program streams its tile's codes once,
-as gemv_i8 does, and runs gemv_i8's PTX steps (gemv_i8.consts: the codes' masks + 4 mma per 64
-weights) once per row against that row's digits; the mma's B operand holds one row's digits (4
-groups x 2 digits), so rows cost mmas and the masks, not bytes: at 4 bits ~16 ALU + 4 mma per 64
-weights and row, under half of the issue rate at 8 rows while the loads stay gemv_i8's. The
-int32 sums of a row live for one block of a group (folded into the row's fp32 accumulator
-there, which the scale's linearity allows), so a row costs ~6 registers that stay (tiles of 32
-rows: reps 1).
+For M = 2..16 rows the engine's path is gemm_tc (bf16 tensor-core GEMM), ~1.6-2x the one-row
+gemv_i8 per weight and nearly flat in M (perf/RESULTS.md session 26: a speculative check of 5
+rows took 2.1x a decode step on Volundr-32B). gemv_i8 (M = 1) gives each lane column c of the
+mma's K its own group c, so the 8 columns of B hold 4 groups x 2 digits of one x row, block-
+diagonal: a second row of x costs a second mma (session 26's first gemv_i8_rows did that, and
+ran out of registers from 4 rows on).
 
-Plain y = x W^T (or the SwiGLU of x's halves first, as gemv_i8's digits do); no epilogues. The
-naive reference is naive.naive_quant_matmul, row by row the same as gemv_i8's.
+Here the 4 lane columns share one group g: lane (quad, c) takes word rows 4c..4c + 3 of g's A
+plane at 4 bits and rows c, 4 + c at 2 and 3 bits (3-bit: both share B-plane row c), so one mma
+sums over 32 inputs of g, and B's column 2 r + d holds digit d of x row r (B lane (quad, c)
+supplies row quad // 2's digit quad % 2 for lane c's word rows: the digits layout is gemv_i8's,
+read at those rows). D lane (quad, c) then holds row c's (d1, d0) sums for its output rows:
+
+    acc[r, n] += s[n, g] (sx[r, g] (128 S1 + S0) - z[n, g] sx[r, g] sum xi[r, g])
+
+after every group. Four rows of x cost what one does (the same mmas and masks per weight as
+gemv_i8, gemv_i8.consts' PTX steps, fed other registers); each further 4 rows add the mmas and
+the fold (RB blocks of 4 rows, sequential inside a group). Plain y = x W^T (or the SwiGLU of
+x's halves first, as gemv_i8's digits do); no epilogues. The naive reference is
+naive.naive_quant_matmul; tests/test_gemv_i8_rows.py emulates these lanes on the CPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -24,138 +33,165 @@ import triton.language as tl
 from volundr.kernels import pdl
 from volundr.kernels.quant.digits import nb, plane_rows, x_digits
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
-from volundr.kernels.quant.gemv_i8 import block_steps, consts
+from volundr.kernels.quant.gemv_i8 import asm_pair4, asm_step2m, asm_step3m
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
 
-MAX_ROWS = 8
-# per bit width: reps (BN = 32 reps), programs per SM, register cap; not yet tuned on a GPU
-CONFIG = {2: dict(reps=1, waves=16.0, maxnreg=255), 3: dict(reps=1, waves=16.0, maxnreg=255),
-          4: dict(reps=1, waves=16.0, maxnreg=255)}
+MAX_ROWS = 16
+# per bit width: reps (BN = 32 reps), programs per SM, groups per loop trip; not yet tuned
+CONFIG = {2: dict(reps=2, waves=16.0, unroll=2), 3: dict(reps=2, waves=16.0, unroll=2),
+          4: dict(reps=2, waves=16.0, unroll=1)}
+
+
+@functools.cache
+def consts(bits: int) -> dict:
+    """The PTX steps of one lane's word rows of a group (gemv_i8's, their B operands renumbered
+    for 2 digit tensors at 2 and 3 bits) and the constraint string."""
+    if bits == 4:  # rows 4c + 2p, 4c + 2p + 1 per pair p; B tensor p at $40 + 4p
+        return dict(ASM_STEP=(asm_pair4(0), asm_pair4(1)),
+                    CONS=",".join(["=r"] * 16 + ["r"] * 32))
+    if bits == 2:  # rows c, 4 + c: steps "0" and "1" read B tensors 0 and 1 at $36, $40
+        return dict(ASM_STEP=(asm_step2m(0), asm_step2m(1)),
+                    CONS=",".join(["=r"] * 16 + ["r"] * 28))
+    # 3-bit: row c is block 0's step, row 4 + c block 1's (its B-plane bit one lower)
+    return dict(ASM_STEP=(asm_step3m(0, 0), asm_step3m(1, 1)),
+                CONS=",".join(["=r"] * 16 + ["r"] * 32))
 
 
 @triton.jit
-def _add(acc, r: tl.constexpr, v, R: tl.constexpr):
-    """acc with v added to its element r (a tuple of R tensors)."""
-    out = ()
-    for i in tl.static_range(R):
-        if i == r:
-            out = out + (acc[i] + v,)
+def _group_sums(ws, bws, xbs, BITS: tl.constexpr, NB: tl.constexpr, Q: tl.constexpr,
+                L: tl.constexpr, ASM_STEP: tl.constexpr, CONS: tl.constexpr):
+    """One group's int32 sums (S1, S0) [4, Q, L, 4] of a lane's word rows ws against the digits
+    xbs (2 tensors), 3-bit's B-plane row bws."""
+    s1 = tl.zeros([4, Q, L, 4], dtype=tl.int32)  # x 1 codes' sums against d1, d0
+    s0 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
+    t1 = tl.zeros([4, Q, L, 4], dtype=tl.int32)  # scaled codes' (16 q or 4 q)
+    t0 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
+    for i in tl.static_range(2):
+        if BITS == 4:
+            args = (s1, s0, t1, t0, ws[2 * i], ws[2 * i + 1]) + xbs
+        elif BITS == 2:
+            args = (s1, s0, t1, t0, ws[i]) + xbs
         else:
-            out = out + (acc[i],)
-    return out
+            args = (s1, s0, t1, t0, ws[i], bws) + xbs
+        s1, s0, t1, t0 = tl.inline_asm_elementwise(
+            ASM_STEP[i], CONS, args, dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=4)
+    return s1 + (t1 >> (8 // NB)), s0 + (t0 >> (8 // NB))  # (exact multiples of 16 or 4)
 
 
 @triton.jit
 def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
-                        num_groups, sets_per_split, num_splits,
+                        num_groups, groups_per_split, num_splits,
                         N: tl.constexpr, BITS: tl.constexpr, WA: tl.constexpr,
                         NB: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, R: tl.constexpr,
-                        SPLIT_K: tl.constexpr, ASM_STEP: tl.constexpr, CONS: tl.constexpr):
-    """gemv_i8_kernel's grid and lanes (its docstring) with R rows of x: row r's digits at
-    xd + r 2 num_groups WA NB and xg + r 2 num_groups, its outputs y[r]; split-K partials
-    [num_splits, R, N]. The first block of each set's A words loads before PDL's wait."""
+                        RB: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
+                        ASM_STEP: tl.constexpr, CONS: tl.constexpr):
+    """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); x row r's digits at xd +
+    r 2 num_groups WA NB, xg + r 2 num_groups; y [R, N]; split-K partials [num_splits, R, N].
+    Lane (quad, c) computes rows 4 (Q l + quad) + j of y for x rows 4 b + c (b < RB). Each trip
+    takes UNROLL groups (a split's groups are a multiple of it), their words loaded first."""
     pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 4 * L * Q
-    set0 = pid_k * sets_per_split
-    set1 = tl.minimum(set0 + sets_per_split, num_groups // 4)
+    g0 = pid_k * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, num_groups)
     c4, q4, j4, n, nmask = _lane_rows(pid_n, N, BN, Q, L)
-    sel = ((q4 % 8) // 2) == c4  # B: lane (quad g, c) supplies group c's digits iff g // 2 == c
-    dig = (q4 % 2) * num_groups  # d1 in even columns, d0 in odd
-    xd_row = 2 * num_groups * (WA * NB)
+    xrow_b = (q4 % 8) // 2  # B: lane (quad, c) supplies x row quad // 2's digit quad % 2
+    xd_b = xd_ptr + (q4 % 2) * num_groups * (WA * NB) + j4
+    if BITS == 4:  # the digits of lane c's word rows (gemv_i8's layout of block c)
+        xoff = (8 * c4, 8 * c4 + 4)
+    else:
+        xoff = (4 * c4, 16 + 4 * c4)
     acc = ()
-    for _ in tl.static_range(R):
+    for _ in tl.static_range(RB):
         acc = acc + (tl.zeros([4, Q, L, 4], dtype=tl.float32),)
-    for st in range(set0, set1):
-        grp = st * 4 + c4
-        bws = ()
-        if BITS == 3:  # the set's 4 B word rows serve both blocks (A rows s and 4 + s)
-            for s in tl.static_range(4):
-                bws = bws + (_ld(qb_ptr + (grp * (WA // 2) + s) * N + n, nmask, False),)
-        pre = ()
-        for s in tl.static_range(4):
-            pre = pre + (_ld(qa_ptr + (grp * WA + s) * N + n, nmask, False),)
-        pdl.wait()  # (a no-op after the first set)
-        szw = _ld(sz_ptr + grp * N + n, nmask, False)
-        sc = (szw << 16).to(tl.float32, bitcast=True)
-        zr = (szw & -65536).to(tl.float32, bitcast=True)
-        for r in tl.static_range(R):  # the zero term of each row's group
-            xq = tl.load(xg_ptr + r * 2 * num_groups + grp * 2 + 1)
-            acc = _add(acc, r, -(sc * zr * xq), R)
-        for blk in tl.static_range(WA // 4):
+    for gu in range(g0, g1, UNROLL):
+        wss = ()
+        for u in tl.static_range(UNROLL):  # every word of the trip in flight before the mmas
+            grp = gu + u
             ws = ()
-            for s in tl.static_range(4):
-                if blk == 0:
-                    ws = ws + (pre[s],)
-                else:
-                    ws = ws + (_ld(qa_ptr + (grp * WA + blk * 4 + s) * N + n, nmask, False),)
-            for r in tl.static_range(R):
-                # one row's int32 sums live for one block only (then folded into its fp32 acc):
-                # the x 1 codes' against d1, d0, the scaled codes' (16 q / 4 q) apart
-                s1 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
-                s0 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
-                t1 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
-                t0 = tl.zeros([4, Q, L, 4], dtype=tl.int32)
-                xbs = ()
-                for u in tl.static_range(NB):
-                    xbs = xbs + (_ld(xd_ptr + r * xd_row + (dig + grp) * (WA * NB) + blk * 4 * NB
-                                     + 4 * u + j4, sel, True),)
-                s1, s0, t1, t0 = block_steps(s1, s0, t1, t0, ws, bws, xbs, blk, BITS,
-                                             ASM_STEP, CONS)
-                s1 += t1 >> (8 // NB)  # the scaled codes' sums are exact multiples of 16 or 4
-                s0 += t0 >> (8 // NB)  # (|128 s1 + s0| < 2^24: exact in fp32)
-                sx = tl.load(xg_ptr + r * 2 * num_groups + grp * 2)  # (an L1 hit after the first)
-                acc = _add(acc, r, sc * (sx * (s1 * 128 + s0).to(tl.float32)), R)
+            if BITS == 4:
+                for s in tl.static_range(4):
+                    ws = ws + (_ld(qa_ptr + (grp * WA + 4 * c4 + s) * N + n, nmask, False),)
+            else:
+                for i in tl.static_range(2):
+                    ws = ws + (_ld(qa_ptr + (grp * WA + 4 * i + c4) * N + n, nmask, False),)
+            bws = ws[0]
+            if BITS == 3:
+                bws = _ld(qb_ptr + (grp * (WA // 2) + c4) * N + n, nmask, False)
+            szw = _ld(sz_ptr + grp * N + n, nmask, False)
+            wss = wss + ((ws, bws, szw),)
+        pdl.wait()  # (x's digits come from the kernel before; a no-op after the first trip)
+        for u in tl.static_range(UNROLL):
+            grp = gu + u
+            ws, bws, szw = wss[u]
+            sc = (szw << 16).to(tl.float32, bitcast=True)
+            zr = (szw & -65536).to(tl.float32, bitcast=True)
+            new = ()
+            for b in tl.static_range(RB):
+                xr = 4 * b + xrow_b
+                xp = xd_b + (xr * 2 * num_groups + grp) * (WA * NB)
+                xbs = (_ld(xp + xoff[0], xr < R, True), _ld(xp + xoff[1], xr < R, True))
+                s1, s0 = _group_sums(ws, bws, xbs, BITS, NB, Q, L, ASM_STEP, CONS)
+                xc = 4 * b + c4  # D: lane (quad, c) holds x row c's sums
+                sx = tl.load(xg_ptr + xc * 2 * num_groups + grp * 2, mask=xc < R, other=0.0)
+                xq = tl.load(xg_ptr + xc * 2 * num_groups + grp * 2 + 1, mask=xc < R,
+                             other=0.0)
+                new = new + (acc[b] + sc * (sx * (s1 * 128 + s0).to(tl.float32) - zr * xq),)
+            acc = new
     pdl.wait()  # every path waits before its stores (a no-op after the loop's)
-    n3 = pid_n * BN + 4 * (Q * tl.arange(0, L)[None, :, None] + tl.arange(0, Q)[:, None, None]) \
-        + tl.arange(0, 4)[None, None, :]
+    for b in tl.static_range(RB):
+        xc = 4 * b + c4
+        out = xc * N + n
+        if SPLIT_K:
+            tl.store(ws_ptr + pid_k.to(tl.int64) * R * N + out, acc[b], mask=xc < R)
+        else:
+            tl.store(y_ptr + out, acc[b].to(y_ptr.dtype.element_ty), mask=xc < R)
     if SPLIT_K:
-        for r in tl.static_range(R):
-            tl.store(ws_ptr + (pid_k.to(tl.int64) * R + r) * N + n3, tl.sum(acc[r], axis=0))
         tl.debug_barrier()  # every thread's partials are written before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
-            for r in tl.static_range(R):
-                like = tl.sum(acc[r], axis=0)
-                tot = sum_splits(ws_ptr + r * N + n3, R * N, num_splits, n3 < N, like)
-                tl.store(y_ptr + r * N + n3, tot.to(y_ptr.dtype.element_ty))
+            for b in tl.static_range(RB):
+                xc = 4 * b + c4
+                out = xc * N + n
+                tot = sum_splits(ws_ptr + out, R * N, num_splits, xc < R, acc[b])
+                tl.store(y_ptr + out, tot.to(y_ptr.dtype.element_ty), mask=xc < R)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
-    else:
-        for r in tl.static_range(R):
-            tl.store(y_ptr + r * N + n3, tl.sum(acc[r], axis=0).to(y_ptr.dtype.element_ty))
 
 
 def supported(x: torch.Tensor, bits: int, group_size: int, n: int, k: int,
-              reps: int = 1) -> bool:
-    """Whether gemv_i8_rows takes x [M, K] against an N x K weight: 2 <= M <= MAX_ROWS, G =
-    128, N a multiple of the tile, K of 4 groups, bf16 / fp16 x."""
-    return (2 <= x.shape[0] <= MAX_ROWS and bits in (2, 3, 4) and group_size == 128
-            and n % (32 * reps) == 0 and k % (4 * group_size) == 0
+              reps: int = 2, unroll: int = 1) -> bool:
+    """Whether gemv_i8_rows takes x [M, K] against an N x K weight: 1 <= M <= MAX_ROWS, G =
+    128, N a multiple of the tile, K / G a multiple of unroll, bf16 / fp16 x."""
+    return (1 <= x.shape[0] <= MAX_ROWS and bits in (2, 3, 4) and group_size == 128
+            and n % (32 * reps) == 0 and k % (unroll * group_size) == 0
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
-                 bits: int, group_size: int = 128, swiglu: bool = False, reps: int = 1,
-                 waves: float = 16.0, maxnreg: int | None = 255,
+                 bits: int, group_size: int = 128, swiglu: bool = False, reps: int = 2,
+                 waves: float = 16.0, unroll: int = 1, maxnreg: int | None = None,
                  splits: int | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`);
     swiglu: x [M, 2K] = (gate, up) and y = (SiLU(gate) * up) @ W^T."""
     m = x.shape[0]
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
-    assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
+    assert supported(x, bits, group_size, n, k, reps, unroll), (x.shape, bits, n, k, unroll)
     if x.stride(-1) != 1:
         x = x.contiguous()
     xd, xg = x_digits(x, bits, group_size, swiglu)
     num_groups = k // group_size
     n_tiles = n // (32 * reps)
-    sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves, splits)
+    gps, ns = split_k(n_tiles, num_groups // unroll, qa.device, waves, splits)
+    gps *= unroll  # (split_k counts trips of unroll groups)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, cnt = (out, out) if ns == 1 else _workspace(out.device, n_tiles, ns * m * n)
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
     gemv_i8_rows_kernel[(n_tiles, ns)](
-        xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, num_groups, sps, ns,
+        xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, num_groups, gps, ns,
         N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps, Q=8, R=m,
-        SPLIT_K=ns > 1, **consts(bits), num_warps=1, launch_pdl=pdl.ON.value, **kw)
+        RB=triton.cdiv(m, 4), UNROLL=unroll, SPLIT_K=ns > 1, **consts(bits), num_warps=1,
+        launch_pdl=pdl.ON.value, **kw)
     return out
