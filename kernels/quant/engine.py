@@ -84,7 +84,6 @@ GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
 # engine path has run on a GPU. VOLUNDR_I8_ROWS=16 turns it on for every decode batch and
 # speculative check up to 16 rows.
 I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "0"))
-I8_ROWS_CONFIG = {b: dict(gemv_i8_rows.CONFIG[b]) for b in (2, 3, 4)}
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
@@ -166,11 +165,12 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
+    rows_kw = gemv_i8_rows.config(bits, m)
     if (1 < m <= I8_ROWS and GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
-            and gemv_i8_rows.supported(x, bits, group_size, n, k, I8_ROWS_CONFIG[bits]["reps"],
-                                       I8_ROWS_CONFIG[bits]["unroll"])):
+            and gemv_i8_rows.supported(x, bits, group_size, n, k, rows_kw["reps"],
+                                       rows_kw["unroll"])):
         return gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
-                                         **I8_ROWS_CONFIG[bits])
+                                         **rows_kw)
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
             and gemm_tc.supported(x, bits, group_size, n)):
         return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,

@@ -37,9 +37,16 @@ from volundr.kernels.quant.gemv_i8 import asm_pair4, asm_step2m, asm_step3m
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
 
 MAX_ROWS = 16
-# per bit width: reps (BN = 32 reps), programs per SM, groups per loop trip; not yet tuned
-CONFIG = {2: dict(reps=2, waves=16.0, unroll=2), 3: dict(reps=2, waves=16.0, unroll=2),
-          4: dict(reps=2, waves=16.0, unroll=1)}
+# reps (BN = 32 reps), programs per SM, groups per loop trip: up to 4 rows (one B) and beyond
+# (H100 run 116, diag_gemv_rows at 17408x5120 4 / 2-bit and 5120x17408 3-bit: the best of 4
+# configs or within 3% of it, but 2-bit at 5-8 rows, where the 4-row config is best)
+FEW = dict(reps=2, waves=16.0, unroll=1)
+MANY = dict(reps=2, waves=8.0, unroll=2)
+
+
+def config(bits: int, m: int) -> dict:
+    """gemv_i8_rows's keyword arguments for m rows of x at `bits`."""
+    return dict(FEW if m <= 4 or (bits == 2 and m <= 8) else MANY)
 
 
 @functools.cache
