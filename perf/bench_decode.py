@@ -15,8 +15,9 @@ default before 2026-12-05); +i8 = tc16 with the integer tensor-core GEMV (gemv_i
 plain, SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without a suffix),
 +dig / +nodig = with it x's digits written by the residual epilogues or made by a launch before
 each GEMV (engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger after its main
-loop or at its top (the default; gemv_i8.LATE_TRIGGER), +i8rows2 = the 2-row matmuls on
-gemv_i8_rows (engine.I8_ROWS; with --batches 2 for a batch-2 row); +fold = the residual add +
+loop or at its top (the default; gemv_i8.LATE_TRIGGER), +i8rowsN = the matmuls of 2..N
+rows on gemv_i8_rows (engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for
+those rows); +fold = the residual add +
 RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm
 folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual
 add + next RMSNorm in the output projections' GEMV epilogue and the norm's scale in the next

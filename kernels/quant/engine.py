@@ -80,10 +80,10 @@ if GEMM16_PATH not in ("tile", "tc"):
 # 2/3-bit lm_head at M = 16 (1.19x / 1.40x its best, reps 4 waves 4)
 GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
 # Up to this many rows (2..16) on gemv_i8_rows (the integer tensor-core GEMV with the rows in the
-# mma's N: 4 rows cost about what one does) instead of gemm_tc; 0: off, the default until its
-# engine path has run on a GPU. VOLUNDR_I8_ROWS=16 turns it on for every decode batch and
-# speculative check up to 16 rows.
-I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "0"))
+# mma's N: 4 rows cost about what one does) instead of gemm_tc. H100 run 117, Volundr-32B decode
+# graphs at batch 2 / 4 / 8 / 16: 12.22 -> 7.26, 12.64 -> 8.36, 13.65 -> 10.17, 15.33 -> 13.42 ms
+# a step; a speculative step with a random drafter 19.8 -> 16.2 ms. VOLUNDR_I8_ROWS=0 turns it off.
+I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "16"))
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
