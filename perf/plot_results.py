@@ -103,6 +103,44 @@ def plot_gemm16(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_rows(out: Path) -> None:
+    """gemv_i8_rows against gemm_tc (H100 runs 116-117): us per call by rows of x at three
+    Volundr-32B shapes, and the decode graph's ms per step by batch."""
+    d = json.loads((HERE / "results" / "gemv_rows_run116.json").read_text())
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (n, k, bits), color in (((17408, 5120, 4), "C0"), ((17408, 5120, 2), "C1"),
+                                ((5120, 17408, 3), "C2")):
+        rows = [r for r in d["rows"] if (r["n"], r["k"], r["bits"]) == (n, k, bits) and "us" in r]
+        ms = sorted({r["rows"] for r in rows})
+        base = [min(r["us"] for r in rows if r["rows"] == m and "engine" in r["variant"])
+                for m in ms]
+        ours = [min(r["us"] for r in rows if r["rows"] == m and r["variant"].startswith("rows"))
+                for m in ms]
+        label = f"{n}x{k} {bits}-bit"
+        a1.plot(ms, base, "--o", color=color, label=f"{label}: gemv_i8 (1 row) / gemm_tc")
+        a1.plot(ms, ours, "-s", color=color, label=f"{label}: gemv_i8_rows (best config)")
+    a1.set_xlabel("rows of x")
+    a1.set_ylabel("us per call")
+    a1.set_xticks([1, 4, 5, 8, 16])
+    a1.set_title("GEMV of M rows, H100 (run 116)")
+    a1.set_ylim(0, 72)
+    a1.legend(fontsize=6.5, loc="upper left")
+    runs = json.loads((HERE / "results" / "decode_rows_run117.json").read_text())["runs"]
+    for r, style in zip(runs, ("--o", "-s")):
+        bs = [1, 2, 4, 8, 16]
+        ms = [r["single" if b == 1 else f"batch{b}"]["graph_ms"] for b in bs]
+        a2.plot(bs, ms, style, label="gemm_tc for 2-16 rows" if "i8rows" not in r["variant"]
+                else "gemv_i8_rows for 2-16 rows")
+    a2.set_xlabel("decode batch (sequences)")
+    a2.set_ylabel("ms per decode step (CUDA graph)")
+    a2.set_xticks([1, 2, 4, 8, 16])
+    a2.set_ylim(bottom=0)
+    a2.set_title("Volundr-32B mixed decode step, H100 (run 117)")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def plot_kda_prefill(out: Path) -> None:
     """Prefill time per token of each stage-1 implementation and of fla's chunk_kda (run 58)."""
     rows = [json.loads(line) for line in
@@ -173,6 +211,7 @@ def plot_decode_attention_floor(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    plot_rows(HERE / "gemv_rows_h100.png")
     plot_decode_attention_floor(HERE / "decode_attention_floor_h200.png")
     plot_prefill_attention(HERE / "prefill_attention_h200.png")
     plot_kda_prefill(HERE / "kda_prefill_h200.png")
