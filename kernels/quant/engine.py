@@ -165,7 +165,7 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
-    rows_kw = gemv_i8_rows.config(bits, m)
+    rows_kw = gemv_i8_rows.config(bits, m, n, k)
     if (1 < m <= I8_ROWS and GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
             and gemv_i8_rows.supported(x, bits, group_size, n, k, rows_kw["reps"],
                                        rows_kw["unroll"])):

@@ -44,9 +44,18 @@ FEW = dict(reps=2, waves=16.0, unroll=1)
 MANY = dict(reps=2, waves=8.0, unroll=2)
 
 
-def config(bits: int, m: int) -> dict:
-    """gemv_i8_rows's keyword arguments for m rows of x at `bits`."""
-    return dict(FEW if m <= 4 or (bits == 2 and m <= 8) else MANY)
+# per (N, K, bits) where another config measured faster above 4 rows (H100 run 121, an MLP's
+# gate_up: 544 tiles of 64 rows fill the SMs at waves 8 without split-K, 4 programs an SM): 3-bit
+# 8 rows 40.2 vs 52.6 us, 16 rows 56.4 vs 68.8; 2-bit 16 rows 47.2 vs 62.1 (8 rows: FEW, 31.5)
+SHAPE_CONFIG = {(34816, 5120, 3): dict(reps=4, waves=8.0, unroll=1),
+                (34816, 5120, 2): dict(reps=4, waves=8.0, unroll=1)}
+
+
+def config(bits: int, m: int, n: int = 0, k: int = 0) -> dict:
+    """gemv_i8_rows's keyword arguments for m rows of x at `bits` against an N x K weight."""
+    if m <= 4 or (bits == 2 and m <= 8):
+        return dict(FEW)
+    return dict(SHAPE_CONFIG.get((n, k, bits), MANY))
 
 
 @functools.cache
