@@ -177,6 +177,44 @@ def test_cuda_gemv_i8_rows(bits, n, k):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits", [(4, 3), (2, 4), (3, 2)])
+def test_cuda_rows_residual_epilogue_and_rscale(bits):
+    """The residual epilogue per row (h = y + r rounded as the unfolded path rounds, h w, each
+    row's tile sums of h^2) and the next GEMV's per-row 1 / rms scale == the naive matmul,
+    residual add, RMSNorm and matmul; split-K or not, 2-16 rows, SwiGLU x or not."""
+    eps = 1e-6
+    bf = torch.bfloat16
+    for (d, k, n_next), m, kw in (((5120, 5120, 17408), 2, {}), ((5120, 17408, 5120), 5, {}),
+                                  ((1024, 512, 1024), 16, {"splits": 1}),
+                                  ((1024, 512, 1024), 3, {"splits": 2})):
+        swiglu = k == 17408
+        qp, qc = _layer(d, k, bits[0], d + m), _layer(n_next, d, bits[1], k + m)
+        xin = torch.randn(m, 2 * k if swiglu else k, device="cuda").to(bf)
+        x = xin.float()
+        if swiglu:
+            x = (torch.nn.functional.silu(x[:, :k]) * x[:, k:]).to(bf).float()
+        r = torch.randn(m, d, device="cuda").to(bf)
+        w = (torch.rand(d, device="cuda") + 0.5).to(bf)
+        cfg = {**gr.config(bits[0], m, d, k), **kw}
+        h = torch.full((m, d), float("nan"), device="cuda", dtype=bf)
+        xw = torch.full_like(h, float("nan"))
+        ss = torch.full((m, gr.tiles(d, cfg["reps"])), float("nan"), device="cuda")
+        gr.gemv_i8_rows(xin, *qp, bits[0], 128, swiglu=swiglu, out=h, residual=(r, w, xw, ss),
+                        **cfg)
+        h_ref = (naive_quant_matmul(x, *qp, bits[0], 128, k).to(bf).float() + r.float())
+        assert ((h.float() - h_ref).norm() / h_ref.norm()).item() < 4e-3, (m, "h")
+        assert torch.equal(xw, (h.float() * w.float()).to(bf)), (m, "h w")
+        ratio = ss.sum(1) / h.float().pow(2).sum(1)
+        assert ((ratio - 1).abs() < 1e-4).all(), (m, "sums of h^2")
+        norm = (h.float() * torch.rsqrt(h.float().pow(2).mean(1, keepdim=True) + eps)
+                * w.float()).to(bf)
+        z_ref = naive_quant_matmul(norm.float(), *qc, bits[1], 128, d)
+        z = gr.gemv_i8_rows(xw, *qc, bits[1], 128, rscale=(ss, eps),
+                            **{**gr.config(bits[1], m, n_next, d), **kw})
+        assert ((z.float() - z_ref).norm() / z_ref.norm()).item() < 8e-3, (m, "next GEMV")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_engine_rows_path(monkeypatch):
     """VOLUNDR_I8_ROWS=8: the engine's 2-8-row matmuls (plain and with the MLP's SwiGLU) take
     gemv_i8_rows, == the naive reference; 9 rows stay on gemm_tc."""

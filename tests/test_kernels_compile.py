@@ -254,6 +254,13 @@ def compile_all() -> list[str]:
         rows_, quant.I8_ROWS = quant.I8_ROWS, 16  # gemv_i8_rows (opt-in): 2 and 5 rows of x
         quant.quant_matmul(torch.randn(2, 1024, dtype=bf), qa, qb, sz, bits, 128)
         quant.quant_matmul(torch.randn(5, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
+        fold_, quant.ROWS_FOLD = quant.ROWS_FOLD, True  # the residual norm per row (opt-in)
+        u3 = torch.randn(3, 3, 1024, dtype=bf)
+        r = quant.quant_matmul_residual_norm(u3[0], u3[1], u3[2, 0], *layer(1024, bits), bits,
+                                             128)
+        assert r is not None and r[2].shape[0] == 3
+        assert quant.quant_matmul_rscaled(r[1], r[2], 1e-6, qa, qb, sz, bits, 128) is not None
+        quant.ROWS_FOLD = fold_
         quant.I8_ROWS = rows_
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
                               early=False, splits=1)

@@ -168,6 +168,38 @@ def check_model_digits(seed: int) -> None:
     assert _rel(y1, y0) < 1e-2, _rel(y1, y0)
 
 
+def check_model_rows_fold(seed: int, m: int = 3) -> None:
+    """Two KDA layers (hidden 512, MLP 1024, 3-bit, groups of 128) at m decode tokens on
+    gemv_i8_rows, with the residual add + next RMSNorm folded per row (engine.ROWS_FOLD) and
+    not: fewer norm launches, the same output and states."""
+    from volundr import ops
+    from volundr.kernels.quant import engine
+    from volundr.model.volundr import run_layers
+
+    cfg, layers = _model_layers(seed, "cuda", 128, 512, 1024, 3)
+    state0 = torch.randn(m, 2, 32, 32, device="cuda") * 0.3
+    conv0 = torch.randn(m, 3 * 2 * 32, 3, device="cuda").to(torch.bfloat16)
+    b = SimpleNamespace(max_q_len=1, slot_ids=torch.arange(m, device="cuda"),
+                        cu_list=list(range(m + 1)),
+                        cu_seqlens=torch.arange(m + 1, dtype=torch.int32, device="cuda"))
+    h0 = torch.randn(m, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    out = {}
+    for fold in (True, False):
+        for layer in layers:
+            layer.kda.state, layer.kda.conv_state = state0.clone(), conv0.clone()
+        with (mock.patch.object(engine, "TC_MIN_DIM", 0),
+              mock.patch.object(engine, "GEMV_PATH", "i8"),
+              mock.patch.object(engine, "I8_ROWS", 16),
+              mock.patch.object(engine, "ROWS_FOLD", fold),
+              mock.patch.object(ops, "rms_norm", wraps=ops.rms_norm) as calls):
+            y = run_layers(layers, h0, b)
+        out[fold] = (y, [lay.kda.state.clone() for lay in layers], calls.call_count)
+    (y1, s1, n1), (y0, s0, n0) = out[True], out[False]
+    assert n1 < n0, (n1, n0)  # (o_proj's groups of 32 keep its boundary on the norm kernel)
+    assert all(_rel(a, c) < 1e-2 for a, c in zip(s1, s0)), "states"
+    assert y1.shape == (m, cfg.hidden_size) and _rel(y1, y0) < 2e-2, _rel(y1, y0)
+
+
 def check_model_layers(seed: int, device: str = "cpu") -> None:
     """run_layers over two KDA layers at one decode token: with RESIDUAL_NORM_FOLD the three
     boundaries (mixer -> MLP twice, layer 0 -> 1) skip the norm kernel and Normed.value; same
@@ -258,6 +290,11 @@ def test_cuda_residual_norm_fold_volundr_shapes(bits):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_model_layers_digits_epilogue():
     check_model_digits(_seed())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_model_layers_rows_fold():
+    check_model_rows_fold(_seed())
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

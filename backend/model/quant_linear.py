@@ -180,25 +180,27 @@ class QuantLinear(nn.Module):
                                               self.bits, self.group_size)
 
     def _rscaled(self, p: Normed) -> torch.Tensor | None:
-        """y of RMSNorm(h) from p's h w and sums of squares (at M = 1), or None."""
+        """y of RMSNorm(h) from p's h w and sums of squares (M = 1; 2-16 rows where the
+        kernels fold it per row), or None."""
         fast = ops._fast(p.xw, "quant")
-        if fast is None or p.xw.shape[0] != 1 or self.qa.device != p.xw.device:
+        if fast is None or p.xw.dim() != 2 or self.qa.device != p.xw.device:
             return None
-        return fast.quant_matmul_rscaled(p.xw, p.ss[0], p.eps, self.qa, self.qb, self.sz,
+        ss = p.ss[0] if p.xw.shape[0] == 1 else p.ss
+        return fast.quant_matmul_rscaled(p.xw, ss, p.eps, self.qa, self.qb, self.sz,
                                          self.bits, self.group_size, p.digits)
 
     def forward_residual_norm(self, x: torch.Tensor | GroupScaled, post: NextNorm,
                               swiglu: bool = False) -> Normed | None:
         """As an output projection: y = forward(x, swiglu), then h = y + post.residual and
         post.norm's h w and sums of squares made in the GEMV's epilogue (at M = 1, one rank),
-        returned as a Normed for the next input projection; None where no kernel does that
-        (the caller then runs `forward`)."""
+        returned as a Normed for the next input projection (M = 1; 2-16 rows where the kernels
+        fold it per row); None where no kernel does that (the caller then runs `forward`)."""
         if self.parallel is not None and self.tp.size > 1:  # the all-reduce comes first
             return None
         g = x if isinstance(x, GroupScaled) else None
         xx = x.x if g is not None else x
         fast = ops._fast(xx, "quant")
-        if fast is None or xx.dim() != 2 or xx.shape[0] != 1 or self.qa.device != xx.device:
+        if fast is None or xx.dim() != 2 or self.qa.device != xx.device:
             return None
         norm = post.norm
         r = fast.quant_matmul_residual_norm(

@@ -84,6 +84,12 @@ GEMM16_TC_CONFIG = {b: dict(reps=2, num_warps=1, waves=8.0) for b in (2, 3, 4)}
 # graphs at batch 2 / 4 / 8 / 16: 12.22 -> 7.26, 12.64 -> 8.36, 13.65 -> 10.17, 15.33 -> 13.42 ms
 # a step; a speculative step with a random drafter 19.8 -> 16.2 ms. VOLUNDR_I8_ROWS=0 turns it off.
 I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "16"))
+# With it, at 2-16 rows the residual add + next RMSNorm split between gemv_i8_rows calls as
+# RESIDUAL_NORM_FOLD does at M = 1 (the output projection's epilogue writes h, h w and per-row
+# tile sums of h^2; the next input projection scales each row by its 1 / rms): ~140 norm
+# launches per decode step less at batch 2-16 (batch 16, H100 run 120: 151 norm launches, 0.35 ms
+# of an eager step). Built, not yet run on a GPU: opt-in, VOLUNDR_I8_ROWS_FOLD=1.
+ROWS_FOLD = os.environ.get("VOLUNDR_I8_ROWS_FOLD", "0") == "1"
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
@@ -147,6 +153,17 @@ def _takes_gemv_i8(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) 
                                      gemv_i8.config(bits, n, k)["reps"]))
 
 
+def _rows_config(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> dict | None:
+    """gemv_i8_rows's config where a call with x [M, K'] (K = k inputs per row) and N = n
+    outputs goes to it (2 <= M <= I8_ROWS on the i8 path, both dims at the size floor, a
+    supported format), else None."""
+    m = x.shape[0]
+    kw = gemv_i8_rows.config(bits, m, n, k)
+    ok = (1 < m <= I8_ROWS and GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
+          and gemv_i8_rows.supported(x, bits, group_size, n, k, kw["reps"], kw["unroll"]))
+    return kw if ok else None
+
+
 def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
                  bits: int, group_size: int, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (any float dtype; bf16 in the engine) -> y [M, N] in x's dtype.
@@ -165,10 +182,8 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
-    rows_kw = gemv_i8_rows.config(bits, m, n, k)
-    if (1 < m <= I8_ROWS and GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
-            and gemv_i8_rows.supported(x, bits, group_size, n, k, rows_kw["reps"],
-                                       rows_kw["unroll"])):
+    rows_kw = _rows_config(x, k, n, bits, group_size)
+    if rows_kw is not None:
         return gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                          **rows_kw)
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
@@ -242,9 +257,13 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
     (DIGITS_EPILOGUE, N a multiple of 512) dg: xw's digits for it (digits.empty), else None.
     digits_in: x's digits made before (digits.empty's layout; for gemv_i8, else unread).
     None where it does not apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off,
-    M > 1, a shape or dtype the tensor-core GEMV does not take)."""
+    a shape or dtype the tensor-core GEMV does not take). M > 1 (x [M, K], residual [M, N]):
+    on gemv_i8_rows with ROWS_FOLD (no gscale, no digits), ss [M, tiles], dg None."""
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     n = qa.shape[1]
+    if x.shape[0] > 1:
+        return _rows_residual_norm(x, residual, norm_weight, qa, qb, sz, bits, group_size,
+                                   swiglu, gscale)
     if not (RESIDUAL_NORM_FOLD and (gscale is None or GATED_NORM_FOLD)
             and _takes_gemv_tc(x, k, n, bits, group_size)
             and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
@@ -270,12 +289,40 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
     return h, xw, ss, dg
 
 
+def _rows_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor, bits: int,
+                        group_size: int, swiglu: bool, gscale: tuple | None) -> tuple | None:
+    """quant_matmul_residual_norm at M > 1 (gemv_i8_rows' residual epilogue, ROWS_FOLD)."""
+    m, n = x.shape[0], qa.shape[1]
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    kw = (_rows_config(x, k, n, bits, group_size)
+          if ROWS_FOLD and RESIDUAL_NORM_FOLD and gscale is None else None)
+    if (kw is None or not (x.is_contiguous() and residual.is_contiguous()
+                           and norm_weight.is_contiguous() and residual.shape == (m, n)
+                           and residual.dtype == norm_weight.dtype == x.dtype)):
+        return None
+    h, xw = torch.empty_like(residual), torch.empty_like(residual)
+    ss = torch.empty(m, gemv_i8_rows.tiles(n, kw["reps"]), dtype=torch.float32, device=x.device)
+    gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu, out=h,
+                              residual=(residual, norm_weight, xw, ss), **kw)
+    return h, xw, ss, None
+
+
 def quant_matmul_rscaled(xw: torch.Tensor, ss: torch.Tensor, eps: float, qa: torch.Tensor,
                          qb: torch.Tensor, sz: torch.Tensor, bits: int, group_size: int,
                          dg: torch.Tensor | None = None) -> torch.Tensor | None:
     """y = (xw @ W^T) rsqrt(sum(ss) / K + eps) for xw [1, K] and ss [P] fp32 (what
     `quant_matmul_residual_norm` wrote: y = RMSNorm(h) @ W^T; dg its digits of xw, if any);
-    None where the GEMV does not take it (then the caller makes RMSNorm(h) itself)."""
+    None where the GEMV does not take it (then the caller makes RMSNorm(h) itself). M > 1:
+    xw [M, K], ss [M, P], row by row on gemv_i8_rows (ROWS_FOLD)."""
+    if xw.shape[0] > 1:
+        kw = (_rows_config(xw, xw.shape[1], qa.shape[1], bits, group_size)
+              if ROWS_FOLD and RESIDUAL_NORM_FOLD else None)
+        if (kw is None or not xw.is_contiguous() or ss.dim() != 2
+                or ss.shape[0] != xw.shape[0]):
+            return None
+        return gemv_i8_rows.gemv_i8_rows(xw, qa, qb, sz, bits, group_size, rscale=(ss, eps),
+                                         **kw)
     if not (RESIDUAL_NORM_FOLD and _takes_gemv_tc(xw, xw.shape[1], qa.shape[1], bits, group_size)
             and xw.is_contiguous() and ss.is_contiguous() and ss.dim() == 1):
         return None

@@ -96,16 +96,51 @@ def _group_sums(ws, bws, xbs, BITS: tl.constexpr, NB: tl.constexpr, Q: tl.conste
 
 
 @triton.jit
+def _epilogue(y, b: tl.constexpr, c4, n, pid_n, N: tl.constexpr, R: tl.constexpr, K, y_ptr,
+              rs_ptr, n_rs, eps, RSCALE: tl.constexpr, NRS: tl.constexpr, r_ptr, nw_ptr, xs_ptr,
+              ss_ptr, RES: tl.constexpr):
+    """x rows 4 b .. 4 b + 3's final sums y [4, Q, L, 4] (lane c: row 4 b + c; columns n) out.
+    RSCALE: y times the row's rsqrt(sum(rs[row, :n_rs]) / K + eps) (the norm of a residual
+    epilogue before, rs [R, n_rs]). RES, per row as gemv_tc's `_residual_epilogue`: h = y
+    rounded to x's dtype plus r[row], rounded again, into y; h w into xs[row]; the tile's sum of
+    h^2 into ss[row, pid_n] (ss [R, N / BN])."""
+    xc = 4 * b + c4  # [4, 1, 1, 1]
+    rows = 4 * b + tl.arange(0, 4)
+    if RSCALE:
+        cols = tl.arange(0, NRS)
+        rsv = tl.load(rs_ptr + rows[:, None] * n_rs + cols[None, :],
+                      mask=(rows[:, None] < R) & (cols[None, :] < n_rs), other=0.0)
+        y = y * tl.rsqrt(tl.sum(rsv, axis=1) / K + eps)[:, None, None, None]
+    out = xc * N + n
+    if RES:
+        dt = xs_ptr.dtype.element_ty
+        r = tl.load(r_ptr + out, mask=xc < R, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + n).to(tl.float32)
+        h = (y.to(dt).to(tl.float32) + r).to(dt)
+        hf = h.to(tl.float32)
+        tl.store(xs_ptr + out, (hf * w).to(dt), mask=xc < R)
+        sq = tl.sum(tl.sum(tl.sum(hf * hf, axis=3), axis=2), axis=1)  # [4]
+        tl.store(ss_ptr + rows * tl.num_programs(0) + pid_n, sq, mask=rows < R)
+        y = hf
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=xc < R)
+
+
+@triton.jit
 def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                         num_groups, groups_per_split, num_splits,
                         N: tl.constexpr, BITS: tl.constexpr, WA: tl.constexpr,
                         NB: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, R: tl.constexpr,
                         RB: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
-                        ASM_STEP: tl.constexpr, CONS: tl.constexpr):
+                        ASM_STEP: tl.constexpr, CONS: tl.constexpr,
+                        rs_ptr=None, n_rs=1, eps=0.0, RSCALE: tl.constexpr = False,
+                        NRS: tl.constexpr = 1, r_ptr=None, nw_ptr=None, xs_ptr=None,
+                        ss_ptr=None, RES: tl.constexpr = False):
     """Grid (N / BN, num_splits), BN = 4 L Q, one warp (Q = 8); x row r's digits at xd +
     r 2 num_groups WA NB, xg + r 2 num_groups; y [R, N]; split-K partials [num_splits, R, N].
     Lane (quad, c) computes rows 4 (Q l + quad) + j of y for x rows 4 b + c (b < RB). Each trip
-    takes UNROLL groups (a split's groups are a multiple of it), their words loaded first."""
+    takes UNROLL groups (a split's groups are a multiple of it), their words loaded first.
+    RSCALE: row r of y times rsqrt(sum(rs[r, :n_rs]) / K + eps); RES: `_epilogue`'s residual
+    add and norm per row (gemv_tc's `_residual_epilogue` row by row)."""
     pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -163,16 +198,17 @@ def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, c
         if SPLIT_K:
             tl.store(ws_ptr + pid_k.to(tl.int64) * R * N + out, acc[b], mask=xc < R)
         else:
-            tl.store(y_ptr + out, acc[b].to(y_ptr.dtype.element_ty), mask=xc < R)
+            _epilogue(acc[b], b, c4, n, pid_n, N, R, num_groups * 128, y_ptr, rs_ptr, n_rs,
+                      eps, RSCALE, NRS, r_ptr, nw_ptr, xs_ptr, ss_ptr, RES)
     if SPLIT_K:
         tl.debug_barrier()  # every thread's partials are written before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this tile sums all partials
             for b in tl.static_range(RB):
                 xc = 4 * b + c4
-                out = xc * N + n
-                tot = sum_splits(ws_ptr + out, R * N, num_splits, xc < R, acc[b])
-                tl.store(y_ptr + out, tot.to(y_ptr.dtype.element_ty), mask=xc < R)
+                tot = sum_splits(ws_ptr + xc * N + n, R * N, num_splits, xc < R, acc[b])
+                _epilogue(tot, b, c4, n, pid_n, N, R, num_groups * 128, y_ptr, rs_ptr, n_rs,
+                          eps, RSCALE, NRS, r_ptr, nw_ptr, xs_ptr, ss_ptr, RES)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
@@ -185,12 +221,21 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int, k: int,
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
+def tiles(n: int, reps: int) -> int:
+    """Programs along N (output tiles of 32 reps rows): the residual epilogue's ss columns."""
+    return n // (32 * reps)
+
+
 def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
                  bits: int, group_size: int = 128, swiglu: bool = False, reps: int = 2,
                  waves: float = 16.0, unroll: int = 1, maxnreg: int | None = None,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, out: torch.Tensor | None = None,
+                 rscale: tuple | None = None, residual: tuple | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`);
-    swiglu: x [M, 2K] = (gate, up) and y = (SiLU(gate) * up) @ W^T."""
+    swiglu: x [M, 2K] = (gate, up) and y = (SiLU(gate) * up) @ W^T. rscale = (rs [M, P] fp32,
+    eps): row r of y times rsqrt(sum(rs[r]) / K + eps) (engine.quant_matmul_rscaled).
+    residual = (r, w, xs, ss): out = h = y + r [M, N], xs = h w [M, N], ss [M, tiles(N, reps)]
+    fp32 each row's tile sums of h^2 (engine.quant_matmul_residual_norm)."""
     m = x.shape[0]
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
@@ -199,12 +244,27 @@ def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         x = x.contiguous()
     xd, xg = x_digits(x, bits, group_size, swiglu)
     num_groups = k // group_size
-    n_tiles = n // (32 * reps)
+    n_tiles = tiles(n, reps)
     gps, ns = split_k(n_tiles, num_groups // unroll, qa.device, waves, splits)
     gps *= unroll  # (split_k counts trips of unroll groups)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype and out.is_contiguous()
     ws, cnt = (out, out) if ns == 1 else _workspace(out.device, n_tiles, ns * m * n)
     kw = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if rscale is not None:
+        rs, eps = rscale
+        assert rs.dtype == torch.float32 and rs.dim() == 2 and rs.shape[0] == m, rs.shape
+        rs = rs.contiguous()
+        kw.update(rs_ptr=rs, n_rs=rs.shape[1], eps=eps, RSCALE=True,
+                  NRS=triton.next_power_of_2(rs.shape[1]))
+    if residual is not None:
+        r, w, xs, ss = residual
+        assert (ss.dtype == torch.float32 and ss.shape == (m, n_tiles) and ss.is_contiguous()
+                and w.numel() == n and w.dtype == x.dtype and w.is_contiguous()
+                and all(t.shape == (m, n) and t.dtype == x.dtype and t.is_contiguous()
+                        for t in (r, xs))), "residual: r, xs [M, N], w [N] x's dtype, ss [M, tiles]"
+        kw.update(r_ptr=r, nw_ptr=w, xs_ptr=xs, ss_ptr=ss, RES=True)
     gemv_i8_rows_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, num_groups, gps, ns,
         N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps, Q=8, R=m,
