@@ -17,7 +17,8 @@ plain, SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without
 each GEMV (engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger after its main
 loop or at its top (the default; gemv_i8.LATE_TRIGGER), +i8rowsN = the matmuls of 2..N
 rows on gemv_i8_rows (engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for
-those rows); +fold = the residual add +
+those rows), +rowsfold / +norowsfold = with it the residual add + next RMSNorm per row in its
+epilogue and the next one's scale (engine.ROWS_FOLD, opt-in); +fold = the residual add +
 RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm
 folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual
 add + next RMSNorm in the output projections' GEMV epilogue and the norm's scale in the next
@@ -530,7 +531,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
-                qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS)
+                qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
+                qengine.ROWS_FOLD)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -544,6 +546,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMV_CHAIN = sfx == "chain"
         elif sfx in ("dig", "nodig"):  # i8: x's digits from the epilogues / launches
             qengine.DIGITS_EPILOGUE = sfx == "dig"
+        elif sfx in ("rowsfold", "norowsfold"):  # the residual norm per row on gemv_i8_rows
+            qengine.ROWS_FOLD = sfx == "rowsfold"
         elif sfx[:6] == "i8rows" and sfx[6:].isdigit():  # gemv_i8_rows up to N rows
             qengine.I8_ROWS = int(sfx[6:])
         elif sfx in ("i8late", "i8top"):  # gemv_i8's PDL trigger after its loop / at its top
@@ -587,7 +591,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, i8late, i8top, i8rowsN, "
+                             "dig, nodig, i8late, i8top, i8rowsN, rowsfold, norowsfold, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
                              "fp8kv, draft, draftself, kN)")
@@ -603,7 +607,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          pdl.EARLY_WEIGHTS, qengine.GEMV_TC_CONFIG, qengine.GEMM16_TC_CONFIG,
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
-         qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS) = defaults
+         qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
+         qengine.ROWS_FOLD) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
