@@ -6,51 +6,50 @@ of GPU weights read per token. With graphs also the GPU time of one decode step 
 alone), so that ms_per_step - graph_ms is the host's share; and a kernel-time breakdown of one
 eager decode step (torch.profiler) when --profile-dir is given.
 
-Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator
-cap), e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per engine
-step (EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul paths
+Variants: bf16; mixed (~3.2 bits); NAME:G runs NAME under a G GiB GPU budget (the allocator cap),
+e.g. mixed:16 for the 16 GiB profile; a suffix @K decodes up to K greedy tokens per engine step
+(EngineConfig.decode_steps), e.g. mixed:16@4; +suffixes pick the mixed-bit matmul paths
 (volundr.kernels.quant.engine.GEMV_PATH / GEMM16_PATH): +fma = FMA GEMV and tl.dot tiles (the
 default before 2026-12-03), +tc = tensor-core GEMV only, +tc16 = both on the tensor cores (the
-default before 2026-12-05); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py) for the
-plain, SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without a suffix),
-+dig / +nodig = with it x's digits written by the residual epilogues or made by a launch before
-each GEMV (engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger after its main
-loop or at its top (the default; gemv_i8.LATE_TRIGGER), +i8rowsN = the matmuls of 2..N
-rows on gemv_i8_rows (engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for
-those rows), +rowsfold / +norowsfold = with it the residual add + next RMSNorm per row in its
-epilogue and the next one's scale (engine.ROWS_FOLD, opt-in); +fold = the residual add +
-RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm
-folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual
-add + next RMSNorm in the output projections' GEMV epilogue and the norm's scale in the next
-GEMV, or not (engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one
-persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold
-= KDA's f_b / g_b computed in its decode kernel
-or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL trigger at its top
-(pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly = its first
-weights of each set loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one block at 4
-bits is the default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks per
-bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows
-per program; waves scaled to keep its splits; after it +wN sets waves N), +uncap = no register
-cap on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM),
-+sN = the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages`
-of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself is per process
+default before 2026-12-05); +i8 = tc16 with the integer tensor-core GEMV (gemv_i8.py) for the plain,
+SwiGLU, rscaled and residual batch-1 GEMVs (the default now, also without a suffix), +dig / +nodig =
+with it x's digits written by the residual epilogues or made by a launch before each GEMV
+(engine.DIGITS_EPILOGUE), +i8late / +i8top = gemv_i8's PDL trigger after its main loop or at its top
+(the default; gemv_i8.LATE_TRIGGER), +i8rowsN = the matmuls of 2..N rows on gemv_i8_rows
+(engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for those rows), +rowsfold /
++norowsfold = with it the residual add + next RMSNorm per row in its epilogue and the next one's
+scale (engine.ROWS_FOLD, opt-in), +i8chunkN = 17..N rows as 16-row gemv_i8_rows calls
+(engine.I8_ROWS_CHUNKED, opt-in; --max-num-seqs 32 --batches 32); +fold = the residual add + RMSNorm
+into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into
+its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
+in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
+(engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one persistent
+launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold = KDA's f_b /
+g_b computed in its decode kernel or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL
+trigger at its top (pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly
+= its first weights of each set loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one
+block at 4 bits is the default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks
+per bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows
+per program; waves scaled to keep its splits; after it +wN sets waves N), +uncap = no register cap
+on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM), +sN =
+the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
+GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself is per process
 (VOLUNDR_PDL). +tpN runs the variant tensor parallel over N devices (volundr.distributed: one
-process per GPU, NCCL, every rank replaying its decode graphs; a budget G applies to each GPU;
-no graph_ms: rank 0's graph alone would wait for the other ranks' collectives), e.g.
---variants mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric
-memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs).
-+fp8kv: the attention KV cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv.
-+draft: speculative decoding (volundr.speculative) with a random drafter of the preset's
-drafter sizes (volundr-draft; random: few guesses right, the machinery's cost), +draftself with
-the model itself as drafter (every guess right: the upper bound); +kN guesses per step (default
-4); the rows then carry the engine's spec_steps, spec_seqs and spec_tokens (tokens per sequence
-and step: spec_tokens / spec_seqs).
-A variant that fails is recorded with its error; the JSON is rewritten after every variant.
+process per GPU, NCCL, every rank replaying its decode graphs; a budget G applies to each GPU; no
+graph_ms: rank 0's graph alone would wait for the other ranks' collectives), e.g. --variants
+mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric memory's one-shot
+kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs). +fp8kv: the attention KV
+cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv. +draft: speculative
+decoding (volundr.speculative) with a random drafter of the preset's drafter sizes (volundr-draft;
+random: few guesses right, the machinery's cost), +draftself with the model itself as drafter (every
+guess right: the upper bound); +kN guesses per step (default 4); the rows then carry the engine's
+spec_steps, spec_seqs and spec_tokens (tokens per sequence and step: spec_tokens / spec_seqs). A
+variant that fails is recorded with its error; the JSON is rewritten after every variant.
 --session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
-(volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536
---session-lens 8192,54000 for the product page's 54K-token turn. --long-lens L: single-stream
-decode after an L-token prompt and the memory peak, e.g. mixed:16@8+fp8kv --max-num-seqs 1
---max-model-len 262144 --long-lens 239000: the product page's 239K-token conversation in 16 GiB.
+(volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536 --session-lens
+8192,54000 for the product page's 54K-token turn. --long-lens L: single-stream decode after an
+L-token prompt and the memory peak, e.g. mixed:16@8+fp8kv --max-num-seqs 1 --max-model-len 262144
+--long-lens 239000: the product page's 239K-token conversation in 16 GiB.
 
     python perf/bench_decode.py --out $OUT/decode.json [--variants bf16,mixed:16] [--tokens 256]
 """
@@ -532,7 +531,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
                 qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
-                qengine.ROWS_FOLD)
+                qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -546,6 +545,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.GEMV_CHAIN = sfx == "chain"
         elif sfx in ("dig", "nodig"):  # i8: x's digits from the epilogues / launches
             qengine.DIGITS_EPILOGUE = sfx == "dig"
+        elif sfx[:7] == "i8chunk" and sfx[7:].isdigit():  # 17-N rows as 16-row calls
+            qengine.I8_ROWS_CHUNKED = int(sfx[7:])
         elif sfx in ("rowsfold", "norowsfold"):  # the residual norm per row on gemv_i8_rows
             qengine.ROWS_FOLD = sfx == "rowsfold"
         elif sfx[:6] == "i8rows" and sfx[6:].isdigit():  # gemv_i8_rows up to N rows
@@ -591,7 +592,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, i8late, i8top, i8rowsN, rowsfold, norowsfold, "
+                             "dig, nodig, i8late, i8top, i8rowsN, i8chunkN, rowsfold, norowsfold, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
                              "fp8kv, draft, draftself, kN)")
@@ -608,7 +609,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
          qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
-         qengine.ROWS_FOLD) = defaults
+         qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,

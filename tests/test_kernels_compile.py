@@ -261,6 +261,10 @@ def compile_all() -> list[str]:
         assert r is not None and r[2].shape[0] == 3
         assert quant.quant_matmul_rscaled(r[1], r[2], 1e-6, qa, qb, sz, bits, 128) is not None
         quant.ROWS_FOLD = fold_
+        chunked_, quant.I8_ROWS_CHUNKED = quant.I8_ROWS_CHUNKED, 48  # 20 rows: 16 + 4 (opt-in)
+        assert quant._rows_chunked(torch.randn(20, 1024, dtype=bf), qa, qb, sz, bits, 128,
+                                   False) is not None
+        quant.I8_ROWS_CHUNKED = chunked_
         quant.I8_ROWS = rows_
         quant.gemv_i8.gemv_i8(torch.randn(1, 1024, dtype=bf), qa, qb, sz, bits, 128,
                               early=False, splits=1)

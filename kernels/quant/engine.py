@@ -90,6 +90,12 @@ I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "16"))
 # launches per decode step less at batch 2-16 (batch 16, H100 run 120: 151 norm launches, 0.35 ms
 # of an eager step). Built, not yet run on a GPU: opt-in, VOLUNDR_I8_ROWS_FOLD=1.
 ROWS_FOLD = os.environ.get("VOLUNDR_I8_ROWS_FOLD", "0") == "1"
+# 17 up to this many rows on gemv_i8_rows in calls of 16 rows (each reads the weights again)
+# instead of the 64-row tensor-core tiles (quant_matmul_triton): a speculative check of 4-8
+# sequences (20-40 rows at 4 guesses), decode batches above 16. By the kernels' times (runs
+# 116/121: 16 rows 27-54 us at Volundr-32B's shapes; the tiles ~100-130 us at 64 rows, H200
+# run 11) ~2x faster up to 32 rows; not yet measured: opt-in, VOLUNDR_I8_ROWS_CHUNKED=48.
+I8_ROWS_CHUNKED = int(os.environ.get("VOLUNDR_I8_ROWS_CHUNKED", "0"))
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
@@ -186,6 +192,10 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if rows_kw is not None:
         return gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                          **rows_kw)
+    if I8_ROWS >= gemv_i8_rows.MAX_ROWS < m <= I8_ROWS_CHUNKED:
+        y = _rows_chunked(x, qa, qb, sz, bits, group_size, swiglu)
+        if y is not None:
+            return y
     if (1 < m <= MAX_M and GEMM16_PATH == "tc" and min(k, n) >= TC_MIN_DIM
             and gemm_tc.supported(x, bits, group_size, n)):
         return gemm_tc.gemm_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
@@ -203,6 +213,25 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         return quant_matmul_triton(x, qa, qb, sz, bits, group_size, block_m=64,
                                    **PREFILL_CONFIG)
     return dequant_matmul(x, qa, qb, sz, bits, group_size)
+
+
+def _rows_chunked(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
+                  bits: int, group_size: int, swiglu: bool) -> torch.Tensor | None:
+    """y [M, N] of x [M, K'] (M > 16) as gemv_i8_rows calls of up to 16 rows, written into
+    y's row blocks; None where a chunk does not take it (I8_ROWS_CHUNKED)."""
+    m, n = x.shape[0], qa.shape[1]
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    step = gemv_i8_rows.MAX_ROWS
+    chunks = [(i, gemv_i8_rows.config(bits, min(step, m - i), n, k)) for i in range(0, m, step)]
+    if GEMV_PATH != "i8" or min(k, n) < TC_MIN_DIM or not all(
+            gemv_i8_rows.supported(x[i:i + step], bits, group_size, n, k, kw["reps"],
+                                   kw["unroll"]) for i, kw in chunks):
+        return None
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    for i, kw in chunks:
+        gemv_i8_rows.gemv_i8_rows(x[i:i + step], qa, qb, sz, bits, group_size, swiglu=swiglu,
+                                  out=y[i:i + step], **kw)
+    return y
 
 
 def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
