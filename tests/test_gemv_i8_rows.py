@@ -167,7 +167,8 @@ def test_cuda_gemv_i8_rows(bits, n, k):
     for m in (1, 3, 5, 16) if small else (2, 8, 13):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
-        for kw in ({}, {"splits": 1}, {"reps": 1, "unroll": 2}) if small else ({},):
+        for kw in ({}, {"splits": 1}, {"reps": 1, "unroll": 2}, {"prefetch": True, "unroll": 2},
+                   {"prefetch": True, "splits": 1}) if small else ({}, {"prefetch": True}):
             y = gr.gemv_i8_rows(x, *layer, bits, 128, **kw)
             assert y.shape == (m, n) and rel(y, ref) < 4e-3, (m, kw, rel(y, ref))
         gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)

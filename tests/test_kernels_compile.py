@@ -261,6 +261,8 @@ def compile_all() -> list[str]:
         assert r is not None and r[2].shape[0] == 3
         assert quant.quant_matmul_rscaled(r[1], r[2], 1e-6, qa, qb, sz, bits, 128) is not None
         quant.ROWS_FOLD = fold_
+        quant.gemv_i8_rows.gemv_i8_rows(torch.randn(5, 1024, dtype=bf), qa, qb, sz, bits, 128,
+                                        prefetch=True)  # the loop-carried prefetch (a knob)
         chunked_, quant.I8_ROWS_CHUNKED = quant.I8_ROWS_CHUNKED, 48  # 20 rows: 16 + 4 (opt-in)
         assert quant._rows_chunked(torch.randn(20, 1024, dtype=bf), qa, qb, sz, bits, 128,
                                    False) is not None

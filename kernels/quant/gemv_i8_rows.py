@@ -96,6 +96,55 @@ def _group_sums(ws, bws, xbs, BITS: tl.constexpr, NB: tl.constexpr, Q: tl.conste
 
 
 @triton.jit
+def _load_trip(gu, g1, qa_ptr, qb_ptr, sz_ptr, c4, n, nmask, N: tl.constexpr,
+               BITS: tl.constexpr, WA: tl.constexpr, UNROLL: tl.constexpr, MASKED: tl.constexpr):
+    """The words of groups gu .. gu + UNROLL - 1 for lane c's word rows: (A words, 3-bit's
+    B-plane row, scale | zero) per group; MASKED: none past g1 (a prefetch past the split)."""
+    wss = ()
+    for u in tl.static_range(UNROLL):  # every word of the trip in flight before the mmas
+        grp = gu + u
+        m = nmask & (grp < g1) if MASKED else nmask
+        ws = ()
+        if BITS == 4:
+            for s in tl.static_range(4):
+                ws = ws + (_ld(qa_ptr + (grp * WA + 4 * c4 + s) * N + n, m, MASKED),)
+        else:
+            for i in tl.static_range(2):
+                ws = ws + (_ld(qa_ptr + (grp * WA + 4 * i + c4) * N + n, m, MASKED),)
+        bws = ws[0]
+        if BITS == 3:
+            bws = _ld(qb_ptr + (grp * (WA // 2) + c4) * N + n, m, MASKED)
+        szw = _ld(sz_ptr + grp * N + n, m, MASKED)
+        wss = wss + ((ws, bws, szw),)
+    return wss
+
+
+@triton.jit
+def _trip(acc, wss, gu, xd_b, xoff, xrow_b, c4, xg_ptr, num_groups, BITS: tl.constexpr,
+          WA: tl.constexpr, NB: tl.constexpr, Q: tl.constexpr, L: tl.constexpr,
+          R: tl.constexpr, RB: tl.constexpr, UNROLL: tl.constexpr, ASM_STEP: tl.constexpr,
+          CONS: tl.constexpr):
+    """acc (RB tensors [4, Q, L, 4]) after the groups gu .. gu + UNROLL - 1 of `_load_trip`."""
+    for u in tl.static_range(UNROLL):
+        grp = gu + u
+        ws, bws, szw = wss[u]
+        sc = (szw << 16).to(tl.float32, bitcast=True)
+        zr = (szw & -65536).to(tl.float32, bitcast=True)
+        new = ()
+        for b in tl.static_range(RB):
+            xr = 4 * b + xrow_b
+            xp = xd_b + (xr * 2 * num_groups + grp) * (WA * NB)
+            xbs = (_ld(xp + xoff[0], xr < R, True), _ld(xp + xoff[1], xr < R, True))
+            s1, s0 = _group_sums(ws, bws, xbs, BITS, NB, Q, L, ASM_STEP, CONS)
+            xc = 4 * b + c4  # D: lane (quad, c) holds x row c's sums
+            sx = tl.load(xg_ptr + xc * 2 * num_groups + grp * 2, mask=xc < R, other=0.0)
+            xq = tl.load(xg_ptr + xc * 2 * num_groups + grp * 2 + 1, mask=xc < R, other=0.0)
+            new = new + (acc[b] + sc * (sx * (s1 * 128 + s0).to(tl.float32) - zr * xq),)
+        acc = new
+    return acc
+
+
+@triton.jit
 def _epilogue(y, b: tl.constexpr, c4, n, pid_n, N: tl.constexpr, R: tl.constexpr, K, y_ptr,
               rs_ptr, n_rs, eps, RSCALE: tl.constexpr, NRS: tl.constexpr, r_ptr, nw_ptr, xs_ptr,
               ss_ptr, RES: tl.constexpr):
@@ -131,7 +180,7 @@ def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, c
                         N: tl.constexpr, BITS: tl.constexpr, WA: tl.constexpr,
                         NB: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, R: tl.constexpr,
                         RB: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr,
-                        ASM_STEP: tl.constexpr, CONS: tl.constexpr,
+                        ASM_STEP: tl.constexpr, CONS: tl.constexpr, PF: tl.constexpr,
                         rs_ptr=None, n_rs=1, eps=0.0, RSCALE: tl.constexpr = False,
                         NRS: tl.constexpr = 1, r_ptr=None, nw_ptr=None, xs_ptr=None,
                         ss_ptr=None, RES: tl.constexpr = False):
@@ -140,7 +189,8 @@ def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, c
     Lane (quad, c) computes rows 4 (Q l + quad) + j of y for x rows 4 b + c (b < RB). Each trip
     takes UNROLL groups (a split's groups are a multiple of it), their words loaded first.
     RSCALE: row r of y times rsqrt(sum(rs[r, :n_rs]) / K + eps); RES: `_epilogue`'s residual
-    add and norm per row (gemv_tc's `_residual_epilogue` row by row)."""
+    add and norm per row (gemv_tc's `_residual_epilogue` row by row). PF: each trip's words
+    loaded during the trip before (a loop-carried prefetch), not at its top."""
     pdl.trigger()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -157,40 +207,23 @@ def gemv_i8_rows_kernel(xd_ptr, xg_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, c
     acc = ()
     for _ in tl.static_range(RB):
         acc = acc + (tl.zeros([4, Q, L, 4], dtype=tl.float32),)
-    for gu in range(g0, g1, UNROLL):
-        wss = ()
-        for u in tl.static_range(UNROLL):  # every word of the trip in flight before the mmas
-            grp = gu + u
-            ws = ()
-            if BITS == 4:
-                for s in tl.static_range(4):
-                    ws = ws + (_ld(qa_ptr + (grp * WA + 4 * c4 + s) * N + n, nmask, False),)
-            else:
-                for i in tl.static_range(2):
-                    ws = ws + (_ld(qa_ptr + (grp * WA + 4 * i + c4) * N + n, nmask, False),)
-            bws = ws[0]
-            if BITS == 3:
-                bws = _ld(qb_ptr + (grp * (WA // 2) + c4) * N + n, nmask, False)
-            szw = _ld(sz_ptr + grp * N + n, nmask, False)
-            wss = wss + ((ws, bws, szw),)
-        pdl.wait()  # (x's digits come from the kernel before; a no-op after the first trip)
-        for u in tl.static_range(UNROLL):
-            grp = gu + u
-            ws, bws, szw = wss[u]
-            sc = (szw << 16).to(tl.float32, bitcast=True)
-            zr = (szw & -65536).to(tl.float32, bitcast=True)
-            new = ()
-            for b in tl.static_range(RB):
-                xr = 4 * b + xrow_b
-                xp = xd_b + (xr * 2 * num_groups + grp) * (WA * NB)
-                xbs = (_ld(xp + xoff[0], xr < R, True), _ld(xp + xoff[1], xr < R, True))
-                s1, s0 = _group_sums(ws, bws, xbs, BITS, NB, Q, L, ASM_STEP, CONS)
-                xc = 4 * b + c4  # D: lane (quad, c) holds x row c's sums
-                sx = tl.load(xg_ptr + xc * 2 * num_groups + grp * 2, mask=xc < R, other=0.0)
-                xq = tl.load(xg_ptr + xc * 2 * num_groups + grp * 2 + 1, mask=xc < R,
-                             other=0.0)
-                new = new + (acc[b] + sc * (sx * (s1 * 128 + s0).to(tl.float32) - zr * xq),)
-            acc = new
+    if PF:  # the next trip's words in flight while this trip's mmas run
+        nxt = _load_trip(g0, g1, qa_ptr, qb_ptr, sz_ptr, c4, n, nmask, N, BITS, WA, UNROLL,
+                         True)
+        for gu in range(g0, g1, UNROLL):
+            wss = nxt
+            nxt = _load_trip(gu + UNROLL, g1, qa_ptr, qb_ptr, sz_ptr, c4, n, nmask, N, BITS,
+                             WA, UNROLL, True)
+            pdl.wait()  # (a no-op after the first trip)
+            acc = _trip(acc, wss, gu, xd_b, xoff, xrow_b, c4, xg_ptr, num_groups, BITS, WA,
+                        NB, Q, L, R, RB, UNROLL, ASM_STEP, CONS)
+    else:
+        for gu in range(g0, g1, UNROLL):
+            wss = _load_trip(gu, g1, qa_ptr, qb_ptr, sz_ptr, c4, n, nmask, N, BITS, WA, UNROLL,
+                             False)
+            pdl.wait()  # (x's digits come from the kernel before; a no-op after the first trip)
+            acc = _trip(acc, wss, gu, xd_b, xoff, xrow_b, c4, xg_ptr, num_groups, BITS, WA,
+                        NB, Q, L, R, RB, UNROLL, ASM_STEP, CONS)
     pdl.wait()  # every path waits before its stores (a no-op after the loop's)
     for b in tl.static_range(RB):
         xc = 4 * b + c4
@@ -230,12 +263,14 @@ def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
                  bits: int, group_size: int = 128, swiglu: bool = False, reps: int = 2,
                  waves: float = 16.0, unroll: int = 1, maxnreg: int | None = None,
                  splits: int | None = None, out: torch.Tensor | None = None,
-                 rscale: tuple | None = None, residual: tuple | None = None) -> torch.Tensor:
+                 rscale: tuple | None = None, residual: tuple | None = None,
+                 prefetch: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`);
     swiglu: x [M, 2K] = (gate, up) and y = (SiLU(gate) * up) @ W^T. rscale = (rs [M, P] fp32,
     eps): row r of y times rsqrt(sum(rs[r]) / K + eps) (engine.quant_matmul_rscaled).
     residual = (r, w, xs, ss): out = h = y + r [M, N], xs = h w [M, N], ss [M, tiles(N, reps)]
-    fp32 each row's tile sums of h^2 (engine.quant_matmul_residual_norm)."""
+    fp32 each row's tile sums of h^2 (engine.quant_matmul_residual_norm). prefetch: each trip's
+    words loaded during the one before (not yet measured on a GPU)."""
     m = x.shape[0]
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
@@ -268,6 +303,7 @@ def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     gemv_i8_rows_kernel[(n_tiles, ns)](
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, num_groups, gps, ns,
         N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps, Q=8, R=m,
-        RB=triton.cdiv(m, 4), UNROLL=unroll, SPLIT_K=ns > 1, **consts(bits), num_warps=1,
+        RB=triton.cdiv(m, 4), UNROLL=unroll, SPLIT_K=ns > 1, **consts(bits), PF=prefetch,
+        num_warps=1,
         launch_pdl=pdl.ON.value, **kw)
     return out

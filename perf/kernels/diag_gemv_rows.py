@@ -1,7 +1,8 @@
 """gemv_i8_rows (1-16 rows of x on the integer tensor cores) against the engine's path for those
 rows (gemm_tc) and the one-row gemv_i8, at Volundr-32B shapes; us per call in CUDA-graph replays
 over copies of the weights (no L2 reuse), each output checked against the naive reference first.
---configs: gemv_i8_rows's (reps, waves, unroll) to try, "r:w:u" separated by ";".
+--configs: gemv_i8_rows's (reps, waves, unroll[, prefetch 0/1]) to try, "r:w:u[:p]" separated
+by ";".
 
     python3 perf/kernels/diag_gemv_rows.py --out $OUT/gemv_rows.json --rows 1,4,5,8,16
 """
@@ -46,12 +47,13 @@ def bench_case(n: int, k: int, bits: int, rows: list[int], configs: list, data: 
         else:
             variants.append(("gemm_tc (engine)", lambda c, x=x: qe.gemm_tc.gemm_tc(
                 x, *layers[c], bits, 128, **qe.GEMM16_TC_CONFIG[bits])))
-        for reps, waves, unroll in configs:
+        for reps, waves, unroll, pf in configs:
             if (k // 128) % unroll or n % (32 * reps):
                 continue
-            variants.append((f"rows r{reps} w{waves:g} u{unroll}",
-                             lambda c, x=x, kw=dict(reps=reps, waves=waves, unroll=unroll):
-                             gr.gemv_i8_rows(x, *layers[c], bits, 128, **kw)))
+            kw = dict(reps=reps, waves=waves, unroll=unroll, prefetch=bool(pf))
+            variants.append((f"rows r{reps} w{waves:g} u{unroll}{' pf' if pf else ''}",
+                             lambda c, x=x, kw=kw: gr.gemv_i8_rows(x, *layers[c], bits, 128,
+                                                                    **kw)))
         for name, fn in variants:
             measure({"n": n, "k": k, "bits": bits, "rows": m, "variant": name, "bytes": nbytes},
                     fn, ref, copies, data, f"{n:6d}x{k:<6d} {bits}b M={m} {name:22s}")
@@ -66,8 +68,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(";")]
-    configs = [(int(r), float(w), int(u)) for r, w, u in
-               (c.split(":") for c in args.configs.split(";"))]
+    configs = [(int(v[0]), float(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else 0)
+               for v in (c.split(":") for c in args.configs.split(";"))]
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from bench_quant import copy_bandwidth
 
