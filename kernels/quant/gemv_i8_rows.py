@@ -1,11 +1,11 @@
 """gemv_i8 for 2-16 rows of x: the rows in the integer mma's N, one group per mma.
 
-For M = 2..16 rows the engine's path is gemm_tc (bf16 tensor-core GEMM), ~1.6-2x the one-row
-gemv_i8 per weight and nearly flat in M (perf/RESULTS.md session 26: a speculative check of 5
-rows took 2.1x a decode step on Volundr-32B). gemv_i8 (M = 1) gives each lane column c of the
-mma's K its own group c, so the 8 columns of B hold 4 groups x 2 digits of one x row, block-
-diagonal: a second row of x costs a second mma (session 26's first gemv_i8_rows did that, and
-ran out of registers from 4 rows on).
+For M = 2..16 rows the engine's path was gemm_tc (bf16 tensor-core GEMM), ~1.6-2x the one-row
+gemv_i8 per weight and nearly flat in M (perf/RESULTS.md session 26: a speculative check of 5 rows
+took 2.1x a decode step on Volundr-32B); this kernel is since session 27. gemv_i8 (M = 1) gives each
+lane column c of the mma's K its own group c, so the 8 columns of B hold 4 groups x 2 digits of one
+x row, block- diagonal: a second row of x costs a second mma (session 26's first gemv_i8_rows did
+that, and ran out of registers from 4 rows on).
 
 Here the 4 lane columns share one group g: lane (quad, c) takes word rows 4c..4c + 3 of g's A
 plane at 4 bits and rows c, 4 + c at 2 and 3 bits (3-bit: both share B-plane row c), so one mma
@@ -17,8 +17,9 @@ read at those rows). D lane (quad, c) then holds row c's (d1, d0) sums for its o
 
 after every group. Four rows of x cost what one does (the same mmas and masks per weight as
 gemv_i8, gemv_i8.consts' PTX steps, fed other registers); each further 4 rows add the mmas and
-the fold (RB blocks of 4 rows, sequential inside a group). Plain y = x W^T (or the SwiGLU of
-x's halves first, as gemv_i8's digits do); no epilogues. The naive reference is
+the fold (RB blocks of 4 rows, sequential inside a group). y = x W^T (or the SwiGLU of x's
+halves first, as gemv_i8's digits do), optionally with the residual add + next RMSNorm per row
+in the epilogue or the norm's 1 / rms per row (`_epilogue`). The naive reference is
 naive.naive_quant_matmul; tests/test_gemv_i8_rows.py emulates these lanes on the CPU.
 """
 
@@ -42,8 +43,6 @@ MAX_ROWS = 16
 # configs or within 3% of it, but 2-bit at 5-8 rows, where the 4-row config is best)
 FEW = dict(reps=2, waves=16.0, unroll=1)
 MANY = dict(reps=2, waves=8.0, unroll=2)
-
-
 # per (N, K, bits) where another config measured faster above 4 rows (H100 run 121, an MLP's
 # gate_up: 544 tiles of 64 rows fill the SMs at waves 8 without split-K, 4 programs an SM): 3-bit
 # 8 rows 40.2 vs 52.6 us, 16 rows 56.4 vs 68.8; 2-bit 16 rows 47.2 vs 62.1 (8 rows: FEW, 31.5)
