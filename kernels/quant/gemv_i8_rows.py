@@ -4,7 +4,7 @@ For M = 2..16 rows the engine's path was gemm_tc (bf16 tensor-core GEMM), ~1.6-2
 gemv_i8 per weight and nearly flat in M (perf/RESULTS.md session 26: a speculative check of 5 rows
 took 2.1x a decode step on Volundr-32B); this kernel is since session 27. gemv_i8 (M = 1) gives each
 lane column c of the mma's K its own group c, so the 8 columns of B hold 4 groups x 2 digits of one
-x row, block- diagonal: a second row of x costs a second mma (session 26's first gemv_i8_rows did
+x row, block-diagonal: a second row of x costs a second mma (session 26's first gemv_i8_rows did
 that, and ran out of registers from 4 rows on).
 
 Here the 4 lane columns share one group g: lane (quad, c) takes word rows 4c..4c + 3 of g's A
