@@ -13,6 +13,8 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from test_gemv_i8 import run_asm  # (tests/ is on the path under pytest and as a script)
 
 from volundr.kernels.quant import gemv_i8_rows as gr
@@ -141,6 +143,55 @@ def test_rows_digits_interpreter():
     r = subprocess.run([sys.executable, __file__, "digits"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "rows digits ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "epilogue ok" in r.stdout, r.stdout[-3000:]
+
+
+def check_epilogue() -> None:
+    """gemv_i8_rows._epilogue (pure Triton; the interpreter) on given final sums y [R, N] laid
+    out as the kernel's lanes hold them: plain, RSCALE (each row times its rsqrt(sum(rs) / K +
+    eps)) and RES (h = y rounded + r rounded, h w, each row's tile sums of h^2) == the same
+    in torch, for R not a multiple of 4 (masked rows) and two blocks of rows."""
+    @triton.jit
+    def kernel(yin_ptr, y_ptr, rs_ptr, n_rs, r_ptr, nw_ptr, xs_ptr, ss_ptr, K,
+               N: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, L: tl.constexpr,
+               RSCALE: tl.constexpr, NRS: tl.constexpr, RES: tl.constexpr):
+        pid_n = tl.program_id(0)
+        c4, q4, j4, n, nmask = gr._lane_rows(pid_n, N, 32 * L, 8, L)
+        for b in tl.static_range(RB):
+            xc = 4 * b + c4
+            y = tl.load(yin_ptr + xc * N + n, mask=xc < R, other=0.0)
+            gr._epilogue(y, b, c4, n, pid_n, N, R, K, y_ptr, rs_ptr, n_rs, 1e-6, RSCALE, NRS,
+                         r_ptr, nw_ptr, xs_ptr, ss_ptr, RES)
+
+    gen = torch.Generator().manual_seed(7)
+    bf = torch.bfloat16
+    m, n, k, reps = 6, 256, 512, 2
+    tiles = gr.tiles(n, reps)
+    yin = torch.randn(m, n, generator=gen) * 3
+    rs = torch.rand(m, 3, generator=gen) * 50
+    r = torch.randn(m, n, generator=gen).to(bf)
+    w = (torch.rand(n, generator=gen) + 0.5).to(bf)
+    def _rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for rscale, res in ((False, False), (True, False), (False, True), (True, True)):
+        y = torch.full((m, n), float("nan"), dtype=bf)
+        xs = torch.full((m, n), float("nan"), dtype=bf)
+        ss = torch.full((m, tiles), float("nan"))
+        kernel[(tiles,)](yin, y, rs, 3, r, w, xs, ss, k, N=n, R=m, RB=2, L=reps,
+                         RSCALE=rscale, NRS=4, RES=res)
+        ref = yin * torch.rsqrt(rs.sum(1, keepdim=True) / k + 1e-6) if rscale else yin
+        if res:  # (the interpreter truncates fp32 -> bf16 where the GPU rounds: 2 roundings
+            # of h, so up to 2 bf16 ulps of the larger of y and h per element)
+            h = (ref.to(bf).float() + r.float()).to(bf).float()
+            mag = torch.maximum(ref.abs(), h.abs())
+            assert ((y.float() - h).abs() <= mag * 2 * 2.0 ** -7 + 1e-6).all(), "h"
+            assert torch.equal(xs, (y.float() * w.float()).to(bf)) or _rel(
+                xs, y.float() * w.float()) < 8e-3, "h w"
+            want = y.float().pow(2).view(m, tiles, 32 * reps).sum(-1)  # of the h written
+            assert torch.allclose(ss, want, rtol=1e-5), "sums of h^2"
+        else:
+            assert torch.allclose(y.float(), ref.to(bf).float(), rtol=1e-2, atol=1e-2), rscale
 
 
 def _layer(n: int, k: int, bits: int, seed: int):
@@ -258,3 +309,5 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["digits"]:
         check_rows_digits("cpu")
         print("rows digits ok")
+        check_epilogue()
+        print("epilogue ok")
