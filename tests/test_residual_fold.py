@@ -200,6 +200,67 @@ def check_model_rows_fold(seed: int, m: int = 3) -> None:
     assert y1.shape == (m, cfg.hidden_size) and _rel(y1, y0) < 2e-2, _rel(y1, y0)
 
 
+def naive_rows(x, qa, qb, sz, bits, group_size=128, swiglu=False, out=None, rscale=None,
+               residual=None, **config):
+    """gemv_i8_rows' contract in torch (naive_quant_matmul, then its epilogue's rounding): the
+    CPU check of the engine's wiring around it, which the interpreter cannot run (its PTX)."""
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    xf = naive_swiglu(x[:, :k], x[:, k:]).float() if swiglu else x.float()
+    y = naive_quant_matmul(xf, qa, qb, sz, bits, group_size, k)
+    if rscale is not None:
+        rs, eps = rscale
+        y = y * torch.rsqrt(rs.sum(1, keepdim=True) / k + eps)
+    if residual is not None:
+        r, w, xw, ss = residual
+        h = (y.to(x.dtype).float() + r.float()).to(x.dtype)
+        xw.copy_((h.float() * w.float()).to(x.dtype))
+        ss.copy_(h.float().pow(2).view(h.shape[0], ss.shape[1], -1).sum(-1))
+        y = h
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out
+
+
+def check_model_rows_fold_wiring(seed: int, m: int = 3) -> None:
+    """The per-row residual norm (engine.ROWS_FOLD) wired through the model's layers at m
+    decode tokens on the CPU, gemv_i8_rows standing in as `naive_rows`: the folded boundaries
+    skip the norm kernel, each Normed carries ss [m, tiles], and the output and states equal
+    the unfolded run's."""
+    from volundr import ops
+    from volundr.kernels.quant import engine, gemv_i8_rows
+    from volundr.model.volundr import run_layers
+
+    cfg, layers = _model_layers(seed, "cpu", 128, 512, 1024, 3)
+    state0 = torch.randn(m, 2, 32, 32) * 0.3
+    conv0 = torch.randn(m, 3 * 2 * 32, 3).to(torch.bfloat16)
+    b = SimpleNamespace(max_q_len=1, slot_ids=torch.arange(m), cu_list=list(range(m + 1)),
+                        cu_seqlens=torch.arange(m + 1, dtype=torch.int32))
+    h0 = torch.randn(m, cfg.hidden_size).to(torch.bfloat16)
+    out = {}
+    for fold in (True, False):
+        for layer in layers:
+            layer.kda.state, layer.kda.conv_state = state0.clone(), conv0.clone()
+        with (mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name)),
+              mock.patch.object(engine, "TC_MIN_DIM", 0),
+              mock.patch.object(engine, "GEMV_PATH", "i8"),
+              mock.patch.object(engine, "GEMM16_PATH", "tile"),
+              mock.patch.object(engine, "I8_ROWS", 16),
+              mock.patch.object(engine, "ROWS_FOLD", fold),
+              mock.patch.object(gemv_i8_rows, "gemv_i8_rows", side_effect=naive_rows) as rows,
+              mock.patch.object(ops, "rms_norm", wraps=ops.rms_norm) as calls):
+            y = run_layers(layers, h0, b)
+            assert rows.call_count >= 4, rows.call_count
+            if fold:
+                folded = [c for c in rows.call_args_list if c.kwargs.get("residual")]
+                assert folded and all(c.kwargs["residual"][3].shape[0] == m for c in folded)
+        out[fold] = (y, [lay.kda.state.clone() for lay in layers], calls.call_count)
+    (y1, s1, n1), (y0, s0, n0) = out[True], out[False]
+    assert n1 < n0, (n1, n0)
+    assert all(_rel(a, c) < 1e-2 for a, c in zip(s1, s0)), "states"
+    assert y1.shape == (m, cfg.hidden_size) and _rel(y1, y0) < 2e-2, _rel(y1, y0)
+
+
 def check_model_layers(seed: int, device: str = "cpu") -> None:
     """run_layers over two KDA layers at one decode token: with RESIDUAL_NORM_FOLD the three
     boundaries (mixer -> MLP twice, layer 0 -> 1) skip the norm kernel and Normed.value; same
@@ -264,6 +325,7 @@ def run_cpu() -> None:
     assert engine.quant_matmul_rscaled(x, ss[0], EPS, qa, qb, sz, 4, 128) is None
     engine.TC_MIN_DIM = 2048
     check_model_layers(_seed())
+    check_model_rows_fold_wiring(_seed())
 
 
 def test_interpreter():
