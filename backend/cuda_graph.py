@@ -188,12 +188,12 @@ class CheckGraphs:
             self.cu_commit.copy_(self.cu)
             self._capture(n, batch(self.cu), batch(self.cu_commit))
 
-    def _check(self, b) -> tuple[torch.Tensor | None, list]:
+    def _check(self, b) -> tuple[torch.Tensor | None, list, torch.Tensor]:
         n = b.num_seqs // 2  # each row takes its sequence's block table
         self.tables[:n * self.L].view(n, self.L, -1).copy_(self.seq_tables[:n, None])
         b.stash = []
         hidden = self.model(b)
-        return (self.model.compute_logits(hidden) if self.logits else None), b.stash
+        return (self.model.compute_logits(hidden) if self.logits else None), b.stash, hidden
 
     @staticmethod
     def _commit(stash: list, b) -> None:
@@ -205,18 +205,19 @@ class CheckGraphs:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         for _ in range(2):  # warm-ups: Triton compiles outside the capture (slots all -1)
-            _, stash = self._check(b)
+            _, stash, _ = self._check(b)
             self._commit(stash, bc)
         torch.cuda.synchronize()
         check_room(self.device, self.budget_bytes,
                    torch.cuda.max_memory_allocated(self.device) - base)
         g, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            logits, stash = self._check(b)
+            logits, stash, hidden = self._check(b)
         with torch.cuda.graph(gc, pool=self.pool):
             self._commit(stash, bc)
         torch.cuda.synchronize()
-        self.graphs[n] = (g, gc, logits, stash)  # (the stash stays allocated for the commit)
+        # (the stash stays allocated for the commit, the hidden states for an MTP draft)
+        self.graphs[n] = (g, gc, logits, stash, hidden)
 
     def can_run(self, n: int, L: int, logits: bool) -> bool:
         return L == self.L and n <= self.max_n and logits <= self.logits and bool(self.graphs)
@@ -252,8 +253,9 @@ class CheckGraphs:
         self.ctx[:Tn] = ctx
         self.seq_tables[:size].zero_()
         self.seq_tables[:n, :width] = tables.view(n, width)
-        g, _, logits, _ = self.graphs[size]
+        g, _, logits, _, hidden = self.graphs[size]
         g.replay()
+        self.hidden = hidden[:T]  # the rows' hidden states before the final norm (MTP drafts)
         return None if logits is None else logits[:T]
 
     @torch.inference_mode()

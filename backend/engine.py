@@ -17,7 +17,7 @@ from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
 from volundr.session import DEFAULT_SESSION_GIB, ParkedSession, SessionStore
-from volundr.speculative import speculate
+from volundr.speculative import mtp_after_run, speculate, speculate_mtp
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
 # format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
@@ -98,14 +98,20 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  ecfg: EngineConfig, eos_token_ids: tuple[int, ...],
-                 draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | None = None):
+                 draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | str | None = None):
         """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): decode
         steps then check ecfg.num_speculative_tokens of its guesses at once
-        (volundr.speculative)."""
+        (volundr.speculative); "mtp": the checkpoint's MTP head guesses one token a step."""
         self.cfg, self.ecfg = cfg, ecfg
+        self.mtp = draft == "mtp"
+        if self.mtp:
+            if not cfg.mtp.num_layers:
+                raise ValueError("draft 'mtp': this checkpoint has no MTP block")
+            draft = None
         # tokens per sequence of a speculative check (t_0 and the guesses); 0: no drafter
-        self.check_len = ecfg.num_speculative_tokens + 1 if draft is not None else 0
-        if draft is not None and ecfg.tensor_parallel_size > 1:
+        self.check_len = (2 if self.mtp else ecfg.num_speculative_tokens + 1 if draft is not None
+                          else 0)
+        if self.check_len and ecfg.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if draft is not None and draft[0].vocab_size != cfg.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({draft[0].vocab_size}) is not the "
@@ -122,6 +128,7 @@ class LLMEngine:
                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
                                       gpu_budget_gib=ecfg.gpu_gib, kv_dtype=ecfg.kv_dtype,
                                       check_len=self.check_len)
+        self.runner.keep_hidden = self.mtp  # (MTP drafts read the forwards' hidden states)
         self.drafter = None
         # speculative steps, the sequences they ran (a sequence per step), the tokens they made
         self.spec_steps = self.spec_seqs = self.spec_tokens = 0
@@ -231,8 +238,11 @@ class LLMEngine:
         k, spec = self._speculative(batch)
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
-            tokens = speculate(self.runner, self.drafter, spec, k, self.check_len,
-                               self.ecfg.max_num_batched_tokens, self._counted)
+            if self.mtp:
+                tokens = speculate_mtp(self.runner, spec, self.check_len, self._counted)
+            else:
+                tokens = speculate(self.runner, self.drafter, spec, k, self.check_len,
+                                   self.ecfg.max_num_batched_tokens, self._counted)
             self.spec_steps += 1
             self.spec_seqs += len(spec)
             self.spec_tokens += sum(map(len, tokens))
@@ -247,9 +257,13 @@ class LLMEngine:
                 if self.sessions.capacity_bytes and any(it.seq.session_id for it in batch):
                     stops = [self._stop_ids(it.seq) for it in batch]
                 rows = self.runner.run_decode_steps(batch, steps, stops)
+                for item in batch:  # (no hidden states kept: no MTP drafts)
+                    item.seq.mtp_draft = None
                 return self._postprocess_steps(
                     batch, [[row[i] for row in rows] for i in range(len(batch))])
             tokens = self.runner.run(batch)
+            if self.mtp:
+                mtp_after_run(self.runner, batch, tokens)
             self._save_prompt_states(batch)
             return outs + self._postprocess(batch, tokens)  # (parks sessions: a rank may fail)
         except WorkerError:  # a tensor-parallel rank is gone: fail every request, stay failed
@@ -288,7 +302,7 @@ class LLMEngine:
         num_speculative_tokens and room for k + 1 more tokens in each; the KV blocks for them
         free (then taken). The batch's other items (prefill chunks, the rest) run in a forward
         of their own."""
-        if self.drafter is None:
+        if self.drafter is None and not self.mtp:
             return 0, []
         room = {}
         for item in batch:
@@ -304,7 +318,7 @@ class LLMEngine:
             # the rest would need a forward of their own: two forwards for the step's decodes
             # (batch 16, H100: 198 tok/s with a random drafter against 1005 without)
             return 0, []
-        k = min([self.ecfg.num_speculative_tokens, *room.values()])
+        k = 1 if self.mtp else min([self.ecfg.num_speculative_tokens, *room.values()])
         bm = self.block_manager
         if not spec or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k + 1)
                            for it in spec) > bm.num_free:

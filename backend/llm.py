@@ -87,7 +87,8 @@ class LLM:
         draft_model: a drafter checkpoint (Volundr-Draft, the same tokenizer): requests then
         decode speculatively, num_speculative_tokens guesses checked per step (None:
         EngineConfig's default; volundr.speculative: greedy output unchanged, sampled output
-        from the model's distribution; seeded sampled requests decode as before)."""
+        from the model's distribution; seeded sampled requests decode as before); "mtp": the
+        checkpoint's MTP head guesses one token per step (speculate_mtp)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,13 +102,15 @@ class LLM:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         draft = None
-        if draft_model is not None:
+        if draft_model == "mtp":  # the checkpoint's own MTP head (volundr.speculative)
+            draft = "mtp"
+        elif draft_model is not None:
             draft = load_checkpoint(resolve_model_dir(draft_model), device="cpu")
         if num_kv_blocks is None:
             num_kv_blocks = _default_kv_blocks(cfg, dev, gpu_gib, max_num_seqs,
                                                max_num_batched_tokens, self.max_model_len,
                                                block_size, tensor_parallel_size, kv_dtype,
-                                               None if draft is None else draft[0])
+                                               draft[0] if isinstance(draft, tuple) else None)
             self.max_model_len = min(self.max_model_len, num_kv_blocks * block_size)
         ecfg = EngineConfig(device=str(dev), dtype=dtype, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,

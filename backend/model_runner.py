@@ -108,6 +108,10 @@ class ModelRunner:
                     t.zero_()
         self.checks = None
         self._pending = None  # the last check: (batch, L, its eager ForwardBatch or None)
+        # MTP drafts (volundr.speculative.speculate_mtp) read the hidden states of the last
+        # eager forward (`run`) and of the last check: kept only while keep_hidden is set
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.max_check_seqs = num_slots  # eager checks take any batch; graphs up to their size
         if self.graphs is not None and check_len > 1:
             from volundr.cuda_graph import CheckGraphs
@@ -362,10 +366,12 @@ class ModelRunner:
         if self.checks is not None and self.checks.can_run(len(batch), L, logits):
             self._pending = (batch, L, None)
             out = self.checks.run_check(lay)
+            self.last_hidden = self.checks.hidden if self.keep_hidden else None
             return None if out is None else out.view(len(batch), L, -1)
         b = self._check_batch(lay, L)
         b.stash = []
         hidden = self.model(b)
+        self.last_hidden = hidden if self.keep_hidden else None
         self._pending = (batch, L, b)
         if not logits:
             return None
@@ -392,15 +398,31 @@ class ModelRunner:
             module.commit(inputs, bc)
 
     @torch.inference_mode()
+    def mtp(self, batch: list[ScheduledSeq], hidden: torch.Tensor, next_ids: list[int]
+            ) -> list[int]:
+        """The MTP block over `batch`'s positions (item i: num_new_tokens positions from
+        num_computed_tokens on; token_ids covering them): hidden [T, d] the model's hidden
+        states there (before the final norm), next_ids [T] each position's next token. Its
+        attention KV is stored at those positions; returns each item's greedy guess of the
+        token after its last next id (its last row's MTP logits)."""
+        b = self.prepare(batch)
+        e = self.model.embed(torch.tensor(next_ids), hidden.device, hidden.dtype)
+        h = self.model.mtp(hidden, e, b)
+        last = torch.tensor(b.cu_list[1:], device=h.device) - 1
+        return self.model.compute_logits(h[last]).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         """One forward over the batch; returns a sampled token for each item that samples."""
         self._init_states(batch)
         b = self.prepare(batch)
         sampling = [item.seq for item in batch if item.samples]
+        self.last_hidden = None
         if self.graphs is not None and self.graphs.can_run(b):
             logits = self.graphs.run(b)
         else:
             hidden = self.model(b)
+            self.last_hidden = hidden if self.keep_hidden else None
             if not sampling:
                 return []
             logits = self.model.compute_logits(hidden[b.logits_indices])

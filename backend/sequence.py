@@ -49,6 +49,8 @@ class Sequence:
         # Speculative decoding (volundr.speculative): tokens [0, num_draft_computed) are in the
         # drafter's state and KV (it catches up lazily, before it drafts).
         self.num_draft_computed = 0
+        # the MTP head's guess of the token after the last one (speculate_mtp), None: none yet
+        self.mtp_draft: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +84,8 @@ class Sequence:
         self.slot = None
         self.num_cached_tokens = 0  # (a running sequence restored its parked state already)
         self.num_draft_computed = 0
+        # the MTP head's guess of the token after the last one (speculate_mtp), None: none yet
+        self.mtp_draft: int | None = None
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

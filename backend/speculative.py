@@ -28,6 +28,16 @@ position p not yet run through the model (its state holds tokens [0, p)):
 
 Stays out (the engine's normal steps run instead): seeded sampled requests, prompts with input
 embeddings (the drafter has its own hidden size), tensor parallelism.
+
+The MTP head as the draft source (`speculate_mtp`, k = 1): the model's MTP block reads the
+hidden state h_i of position i (before the final norm) and the embedding of token i + 1, and
+guesses token i + 2; its attention layer keeps its own KV at every position it has run. So
+after each forward whose next tokens are known (a prefill chunk or an eager decode:
+`mtp_after_run`; a check: its kept rows), the MTP block runs over those positions and its
+last row's greedy guess is the sequence's draft d_1 for the next step, which checks [t_0, d_1]
+(or [t_0] alone where no draft is at hand: after a decode step replayed as a CUDA graph, whose
+hidden states are not kept). Positions the MTP block never ran (such graph steps) leave holes
+in its KV: later guesses see less context, the tokens stay exactly the model's.
 """
 
 from __future__ import annotations
@@ -161,3 +171,55 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     for i, s in enumerate(seqs):
         s.num_draft_computed = p[i] if i in back else p[i] + k
     return out
+
+
+def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
+                  counted: Callable[[Sequence, list[int]], int]) -> list[list[int]]:
+    """One speculative step with the MTP head's drafts (module doc; k = 1, L >= 2) over `batch`
+    (decoding sequences as `speculate` takes them, KV blocks grown for 2 positions). Returns
+    each sequence's counted tokens; the states then hold t_0 and the counted tokens but the
+    last, and seq.mtp_draft the guess for the next step."""
+    seqs = [it.seq for it in batch]
+    drafts = [[] if s.mtp_draft is None else [s.mtp_draft] for s in seqs]
+    q = [1 + len(d) for d in drafts]
+    with _appended(seqs, drafts):
+        logits = target.check([ScheduledSeq(s, n) for s, n in zip(seqs, q)], L)
+    hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on
+    out = []
+    for i, (s, d) in enumerate(zip(seqs, drafts)):
+        rows = logits[i, :q[i]]
+        if s.params.greedy:
+            a = rows.argmax(dim=-1).tolist()
+            toks = a[:2] if d and d[0] == a[0] else a[:1]
+        else:
+            toks = accept_sampled(rows, d, s, target.sampler.generator)
+        out.append(toks[:counted(s, toks)])
+    target.commit([len(toks) for toks in out])
+    # the MTP block over the kept rows: row j (position p + j) is followed by out[i][j]
+    idx = torch.tensor([i * L + j for i, toks in enumerate(out) for j in range(len(toks))],
+                       device=hidden.device)
+    with _appended(seqs, [toks[:-1] for toks in out]):
+        guesses = target.mtp([ScheduledSeq(s, len(t)) for s, t in zip(seqs, out)],
+                             hidden[idx], [x for toks in out for x in toks])
+    for s, g in zip(seqs, guesses):
+        s.mtp_draft = g
+    return out
+
+
+def mtp_after_run(target: ModelRunner, batch: list[ScheduledSeq], tokens: list[int]) -> None:
+    """After a forward of `batch` (ModelRunner.run, before the engine advances the sequences)
+    that sampled `tokens` for its sampling items: the MTP block over every position it ran,
+    each followed by the next prompt token or the sampled one, and the drafts of the sampling
+    items. A forward replayed as a CUDA graph keeps no hidden states: its drafts are None."""
+    hidden = target.last_hidden
+    if hidden is None:
+        for it in batch:
+            it.seq.mtp_draft = None
+        return
+    sampled, nxt = iter(tokens), []
+    for it in batch:
+        s, e = it.seq.num_computed_tokens, it.seq.num_computed_tokens + it.num_new_tokens
+        nxt += it.seq.token_ids[s + 1:e] + [next(sampled) if it.samples else it.seq.token_ids[e]]
+    guesses = target.mtp(batch, hidden, nxt)
+    for it, g in zip(batch, guesses):
+        it.seq.mtp_draft = g if it.samples else None

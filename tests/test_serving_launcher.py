@@ -135,6 +135,7 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
 
     from volundr.engine import EngineConfig
     from volundr.llm import LLM
+    from volundr.sampling_params import SamplingParams
     from volundr.serve.launcher import build_options, parse_args
     from volundr.serve.stack import llm_parameters
     from volundr.serve.triton_llm import llm_kwargs
@@ -177,6 +178,13 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     assert kw["num_speculative_tokens"] is None
     with LLM(tiny_dir, **kw) as llm:
         assert llm.engine.ecfg.num_speculative_tokens == EngineConfig.num_speculative_tokens
+    kw = engine_kwargs("--drafter", "mtp")  # the model's MTP head: no drafter checkpoint
+    assert kw["draft_model"] == "mtp"
+    with LLM(tiny_dir, **kw) as llm:
+        assert llm.engine.mtp and llm.engine.drafter is None and llm.engine.check_len == 2
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
+                                                          ignore_eos=True))
+        assert len(out[0]["token_ids"]) == 6 and llm.engine.stats()["spec_steps"] > 0
 
 
 @pytest.mark.server

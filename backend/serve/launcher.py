@@ -138,9 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "previous turn (a session id derived from its opening messages)")
     ap.add_argument("--drafter", help="speculative decoding: a drafter checkpoint directory or "
                     "Hugging Face repo id (Volundr-Draft, the model's tokenizer; `tiny`: the "
-                    "tiny checkpoint's, built on first use); the model then checks its "
-                    "guesses several at a time: greedy output unchanged, sampled output from "
-                    "the model's distribution")
+                    "tiny checkpoint's, built on first use; `mtp`: the model's own MTP head, "
+                    "one guess a step); the model then checks its guesses several at a time: "
+                    "greedy output unchanged, sampled output from the model's distribution")
     ap.add_argument("--num-speculative-tokens", type=int,
                     help="the drafter's guesses per step (with --drafter; default 4, the "
                     "engine's)")
@@ -186,6 +186,8 @@ def build_options(args: argparse.Namespace):
     draft_dir = None
     if args.drafter == "tiny" and not Path("tiny").is_dir():
         draft_dir = tiny_checkpoint(cache, "draft-tiny")
+    elif args.drafter == "mtp":  # (passed on as the name: the engine uses the model's head)
+        draft_dir = "mtp"
     elif args.drafter:
         draft_dir = resolve_model(args.drafter, cache)
     return StackOptions(draft_dir=draft_dir, num_speculative_tokens=args.num_speculative_tokens,

@@ -43,7 +43,8 @@ class StackOptions:
     reasoning_split: bool = True  # proxy: <think>...</think> -> reasoning_content
     reasoning_opened: bool = False  # proxy: the chat template opens <think> in the prompt
     auto_session: bool = False  # proxy: chat turns without a session_id get one (their opening)
-    draft_dir: Path | None = None  # speculative decoding's drafter checkpoint (volundr.speculative)
+    # speculative decoding's drafter checkpoint (volundr.speculative); "mtp": the model's head
+    draft_dir: Path | str | None = None
     num_speculative_tokens: int | None = None  # None: the engine's default
 
 
