@@ -42,7 +42,8 @@ kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs). +fp8kv:
 cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv. +draft: speculative
 decoding (volundr.speculative) with a random drafter of the preset's drafter sizes (volundr-draft;
 random: few guesses right, the machinery's cost), +draftself with the model itself as drafter (every
-guess right: the upper bound); +kN guesses per step (default 4); the rows then carry the engine's
+guess right: the upper bound), +mtp with the model's MTP head (one guess a step); +kN guesses per
+step (default 4); the rows then carry the engine's
 spec_steps, spec_seqs and spec_tokens (tokens per sequence and step: spec_tokens / spec_seqs). A
 variant that fails is recorded with its error; the JSON is rewritten after every variant.
 --session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
@@ -419,6 +420,8 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
     pair = None
     if draft == "self":
         pair = (cfg, sd)
+    elif draft == "mtp":  # the checkpoint's MTP head (random weights: few guesses right)
+        pair = "mtp"
     elif draft:
         dcfg = get_config({"volundr-32b": "volundr-draft", "tiny": "draft-tiny"}.get(preset,
                                                                                     preset))
@@ -433,7 +436,7 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
         blocks = _default_kv_blocks(cfg, torch.device(device), gpu_gib, max_num_seqs,
                                     batched_tokens, max_model_len, 16, tp,
                                     kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16),
-                                    None if pair is None else pair[0])
+                                    pair[0] if isinstance(pair, tuple) else None)
         max_model_len = min(max_model_len, blocks * 16)  # as LLM caps it (with a warning)
     ecfg = EngineConfig(device=device, dtype=torch.bfloat16, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=batched_tokens, max_model_len=max_model_len,
@@ -582,8 +585,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             os.environ["VOLUNDR_TP_ALLREDUCE"] = "symm"
         elif sfx == "fp8kv":  # the attention KV cache in fp8 e4m3
             kv_cache_dtype = "fp8"
-        elif sfx in ("draft", "draftself"):  # speculative decoding
-            draft = "self" if sfx == "draftself" else "random"
+        elif sfx in ("draft", "draftself", "mtp"):  # speculative decoding
+            draft = {"draftself": "self", "mtp": "mtp"}.get(sfx, "random")
         elif sfx[:1] == "k" and sfx[1:].isdigit():
             spec_k = int(sfx[1:])
         elif sfx[:1] == "s" and sfx[1:].isdigit():
@@ -595,7 +598,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                              "dig, nodig, i8late, i8top, i8rowsN, i8chunkN, rowsfold, norowsfold, "
                              "early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
-                             "fp8kv, draft, draftself, kN)")
+                             "fp8kv, draft, draftself, mtp, kN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp, kv_cache_dtype,
                         draft, spec_k)

@@ -17,14 +17,15 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
     script = Path(__file__).parents[1] / "perf" / "bench_decode.py"
     r = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--device", "cpu",
                         "--out", str(out), "--variants",
-                        f"{MIXED},bf16,bf16+tp2,bf16+fp8kv,bf16+draftself+k2,bf16+nope",
+                        f"{MIXED},bf16,bf16+tp2,bf16+fp8kv,bf16+draftself+k2,bf16+mtp,bf16+nope",
                         "--tokens", "8", "--copy-gib", "0.05", "--prefill-lens", "40",
                         "--session-lens", "40", "--long-lens", "50"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert [run["variant"] for run in res["runs"]] == [MIXED, "bf16", "bf16+tp2", "bf16+fp8kv",
-                                                       "bf16+draftself+k2", "bf16+nope"]
+                                                       "bf16+draftself+k2", "bf16+mtp",
+                                                       "bf16+nope"]
     assert "unknown suffix +nope" in res["runs"].pop()["error"]  # recorded, the rest kept
     for run in res["runs"]:
         assert run["single"]["decode_tokens"] == 7 and run["batch16"]["decode_tokens"] == 16 * 3
@@ -34,11 +35,13 @@ def test_bench_decode_runs_on_the_tiny_preset(tmp_path):
         assert s["cached_tokens"] == 40 + 15, s  # (tp 2: every rank its shard)
         assert s["turn2_len"] == 40 + 16 + 64 and s["resumed_ttft_s"] > 0 and s["park_s"] > 0
         assert run["long"][0]["prompt_len"] == 50 and run["long"][0]["decode_tokens"] == 7
-    mixed, bf16, tp2, fp8kv, spec = res["runs"]
+    mixed, bf16, tp2, fp8kv, spec, mtp = res["runs"]
     # speculative decoding with the model as its own drafter: the same greedy ids, guesses kept
     assert spec["single"]["ids_head"] == bf16["single"]["ids_head"]
     assert spec["batch16"]["ids_head"] == bf16["batch16"]["ids_head"]
     assert spec["spec_tokens"] > spec["spec_seqs"] > 0
+    # the MTP head as the drafter (random: mostly wrong), the same greedy ids too
+    assert mtp["single"]["ids_head"] == bf16["single"]["ids_head"] and mtp["spec_steps"] > 0
     assert (bf16["kv_cache_dtype"], fp8kv["kv_cache_dtype"]) == ("auto", "fp8")
     assert mixed["gpu_weight_GB"] < bf16["gpu_weight_GB"]  # quantized weights are smaller
     # two ranks (gloo here): rank 0 holds about half of the layers' weights
