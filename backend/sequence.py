@@ -84,8 +84,7 @@ class Sequence:
         self.slot = None
         self.num_cached_tokens = 0  # (a running sequence restored its parked state already)
         self.num_draft_computed = 0
-        # the MTP head's guess of the token after the last one (speculate_mtp), None: none yet
-        self.mtp_draft: int | None = None
+        self.mtp_draft = None
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 
