@@ -34,7 +34,7 @@ if [ "$PART" != bench ]; then
     tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_quant.py \
     tests/test_triton_only.py tests/test_gemv_chain.py tests/test_gemv_i8.py tests/test_gemv_i8_rows.py \
     tests/test_residual_fold.py \
-    tests/test_kv_cache_dtype.py tests/test_sessions.py tests/test_speculative.py \
+    tests/test_kv_cache_dtype.py tests/test_sessions.py tests/test_speculative.py tests/test_speculative_mtp.py \
     tests/test_kernels_kda.py"}
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
