@@ -128,6 +128,33 @@ def test_mtp_draft_equals_a_fresh_forward(models, monkeypatch, right):
         assert guess == reference_draft(models, s.token_ids), s.request_id
 
 
+def test_mtp_limits_preemption_and_multi_step_decode(models):
+    """With the MTP head drafting: the context limit inside a step, a seeded sampled request
+    beside greedy ones (outside speculation), a KV pool that preempts (the block's KV and draft
+    recomputed with the prompt), and multi-step decode while the batch is too big to check
+    (decode_steps 4, 3 sequences, checks of at most 2; no drafts kept), then checks: every
+    output as without it."""
+    ps = [p[:10] for p in prompts(4, seed=8)]
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
+    for kw, reqs in (
+            (dict(max_model_len=64),
+             [("c", [5] * 58, greedy(40, ignore_eos=True)), ("a", ps[0], greedy(9))]),
+            (dict(num_kv_blocks=8, max_model_len=128),
+             [("a", ps[0], greedy(45, ignore_eos=True)), ("b", ps[1], sampled),
+              ("d", ps[2], greedy(45, ignore_eos=True)),
+              ("e", ps[3], greedy(45, ignore_eos=True))]),
+            (dict(decode_steps=4),  # x ends early: then y and z speculate, no drafts at first
+             [(r, p, greedy(n, ignore_eos=True)) for r, p, n in zip("xyz", ps, (6, 24, 24))])):
+        want, want_reasons, _ = run(engine(models, **kw), reqs)
+        e = mtp_engine(models, **kw)
+        if "decode_steps" in kw:
+            e.runner.max_check_seqs = 2  # (as captured checks cap it on a GPU)
+        got, reasons, _ = run(e, reqs)
+        assert got == want and reasons == want_reasons and e.stats()["spec_steps"] > 0
+        if "e" in got:
+            assert e.scheduler.num_preemptions > 0
+
+
 def test_mtp_sampled_requests_run(models):
     e = mtp_engine(models)
     reqs = [("s0", prompts(1, seed=8)[0], SamplingParams(max_tokens=16, temperature=0.8,
