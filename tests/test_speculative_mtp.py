@@ -3,8 +3,9 @@
 exactly plain greedy's tokens, with its own (random: mostly wrong) guesses and with guesses
 forced right (the MTP block still running, so its KV takes two rows a step); the draft a
 sequence holds equals the MTP block's guess from a fresh forward over its whole history (the
-MTP KV kept right across prefill chunks, checks and rejected guesses); sampled requests run
-too; a checkpoint without an MTP block is refused."""
+MTP KV kept right across prefill chunks, checks and rejected guesses); the context limit, a
+seeded request, preemption and multi-step decode leave the output alone; sampled requests run
+too; a checkpoint without an MTP block is refused; on CUDA the checks' graphs feed it."""
 
 from __future__ import annotations
 
