@@ -109,6 +109,12 @@ def catch_up(drafter: ModelRunner, seqs: list[Sequence], chunk: int, L: int) -> 
             it.seq.num_draft_computed += it.num_new_tokens
 
 
+def greedy_kept(a: list[int], guesses: list[int]) -> list[int]:
+    """Greedy acceptance (module doc, step 3): the model's argmax a_0 .. after t_0 and each
+    guess; the guesses kept while they equal it, then the model's token after them."""
+    return a[:next((j for j, d in enumerate(guesses) if d != a[j]), len(guesses)) + 1]
+
+
 def accept_sampled(logits: torch.Tensor, guesses: list[int], seq: Sequence,
                    gen: torch.Generator) -> list[int]:
     """Speculative sampling against one-hot guesses (module doc, step 3): logits [k + 1, V]
@@ -158,8 +164,7 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     out = []
     for i, (s, d) in enumerate(zip(seqs, drafts)):
         if s.params.greedy:
-            a = greedy[i]
-            toks = a[:next((j for j in range(k) if d[j] != a[j]), k) + 1]
+            toks = greedy_kept(greedy[i], d)
         else:
             toks = accept_sampled(logits[i], d, s, target.sampler.generator)
         out.append(toks[:counted(s, toks)])
@@ -185,14 +190,13 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
     with _appended(seqs, drafts):
         logits = target.check([ScheduledSeq(s, n) for s, n in zip(seqs, q)], L)
     hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on
+    greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, (s, d) in enumerate(zip(seqs, drafts)):
-        rows = logits[i, :q[i]]
         if s.params.greedy:
-            a = rows.argmax(dim=-1).tolist()
-            toks = a[:2] if d and d[0] == a[0] else a[:1]
+            toks = greedy_kept(greedy[i], d)
         else:
-            toks = accept_sampled(rows, d, s, target.sampler.generator)
+            toks = accept_sampled(logits[i, :q[i]], d, s, target.sampler.generator)
         out.append(toks[:counted(s, toks)])
     target.commit([len(toks) for toks in out])
     # the MTP block over the kept rows: row j (position p + j) is followed by out[i][j]

@@ -81,6 +81,15 @@ def run_asm(asm: str, ins: dict[int, list[int]], n_out: int) -> list[list[int]]:
     return [[regs[lane][f"${i}"] for lane in range(32)] for i in range(n_out)]
 
 
+def int_digits(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d1, d0) int64 of fp32 groups xf [groups, G] (gemv_i8.py's module doc), in the groups'
+    own element order: the direct sums' side of the emulations."""
+    amax = xf.abs().amax(1, keepdim=True)
+    xi = torch.floor(xf * (XMAX / amax) + 0.5).clamp(-XMAX, XMAX).to(torch.int64)
+    d1 = torch.div(xi + 64, 128, rounding_mode="floor")
+    return d1, xi - 128 * d1
+
+
 def emulated_error(bits: int, seed: int = 0, asm=None) -> int:
     """One set (4 groups of 128; rows 4 quad + j of one warp, lane c holding group c) through
     the emulated PTX of every step as gemv_i8_kernel feeds it, against the direct sums of
@@ -124,11 +133,7 @@ def emulated_error(bits: int, seed: int = 0, asm=None) -> int:
                 acc = run_asm(asm(bits, blk * 4 + st if bits == 3 else st), ins, 16)
     s1 = torch.tensor(acc[0:4]).t() + (torch.tensor(acc[8:12]).t() >> (8 // n_b))  # [lane, j]
     s0 = torch.tensor(acc[4:8]).t() + (torch.tensor(acc[12:16]).t() >> (8 // n_b))
-    xf = x.float().view(4, g)
-    amax = xf.abs().amax(1, keepdim=True)
-    xi = torch.floor(xf * (XMAX / amax) + 0.5).clamp(-XMAX, XMAX).to(torch.int64)
-    d1 = torch.div(xi + 64, 128, rounding_mode="floor")
-    d0 = xi - 128 * d1
+    d1, d0 = int_digits(x.float().view(4, g))
     err = 0
     for lane in lanes:
         quad, c = lane // 4, lane % 4

@@ -15,10 +15,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from test_gemv_i8 import run_asm  # (tests/ is on the path under pytest and as a script)
+from test_gemv_i8 import int_digits, run_asm  # (tests/ is on the path, pytest or script)
 
 from volundr.kernels.quant import gemv_i8_rows as gr
-from volundr.kernels.quant.naive import XMAX, naive_quant_matmul, naive_x_digits
+from volundr.kernels.quant.naive import naive_quant_matmul, naive_x_digits
 from volundr.kernels.quant.pack import to_kernel_layout
 
 CUDA = torch.cuda.is_available()
@@ -66,11 +66,7 @@ def emulated_rows_error(bits: int, m: int, seed: int = 0, feed=None) -> int:
             out.append(vals)
         return out
 
-    xf = x.float()
-    amax = xf.abs().amax(1, keepdim=True)
-    xi = torch.floor(xf * (XMAX / amax) + 0.5).clamp(-XMAX, XMAX).to(torch.int64)
-    d1 = torch.div(xi + 64, 128, rounding_mode="floor")
-    d0 = xi - 128 * d1
+    d1, d0 = int_digits(x.float())
     err = 0
     for b in range((m + 3) // 4):
         acc = [[0] * 32 for _ in range(16)]

@@ -168,38 +168,6 @@ def check_model_digits(seed: int) -> None:
     assert _rel(y1, y0) < 1e-2, _rel(y1, y0)
 
 
-def check_model_rows_fold(seed: int, m: int = 3) -> None:
-    """Two KDA layers (hidden 512, MLP 1024, 3-bit, groups of 128) at m decode tokens on
-    gemv_i8_rows, with the residual add + next RMSNorm folded per row (engine.ROWS_FOLD) and
-    not: fewer norm launches, the same output and states."""
-    from volundr import ops
-    from volundr.kernels.quant import engine
-    from volundr.model.volundr import run_layers
-
-    cfg, layers = _model_layers(seed, "cuda", 128, 512, 1024, 3)
-    state0 = torch.randn(m, 2, 32, 32, device="cuda") * 0.3
-    conv0 = torch.randn(m, 3 * 2 * 32, 3, device="cuda").to(torch.bfloat16)
-    b = SimpleNamespace(max_q_len=1, slot_ids=torch.arange(m, device="cuda"),
-                        cu_list=list(range(m + 1)),
-                        cu_seqlens=torch.arange(m + 1, dtype=torch.int32, device="cuda"))
-    h0 = torch.randn(m, cfg.hidden_size, device="cuda").to(torch.bfloat16)
-    out = {}
-    for fold in (True, False):
-        for layer in layers:
-            layer.kda.state, layer.kda.conv_state = state0.clone(), conv0.clone()
-        with (mock.patch.object(engine, "TC_MIN_DIM", 0),
-              mock.patch.object(engine, "GEMV_PATH", "i8"),
-              mock.patch.object(engine, "I8_ROWS", 16),
-              mock.patch.object(engine, "ROWS_FOLD", fold),
-              mock.patch.object(ops, "rms_norm", wraps=ops.rms_norm) as calls):
-            y = run_layers(layers, h0, b)
-        out[fold] = (y, [lay.kda.state.clone() for lay in layers], calls.call_count)
-    (y1, s1, n1), (y0, s0, n0) = out[True], out[False]
-    assert n1 < n0, (n1, n0)  # (o_proj's groups of 32 keep its boundary on the norm kernel)
-    assert all(_rel(a, c) < 1e-2 for a, c in zip(s1, s0)), "states"
-    assert y1.shape == (m, cfg.hidden_size) and _rel(y1, y0) < 2e-2, _rel(y1, y0)
-
-
 def naive_rows(x, qa, qb, sz, bits, group_size=128, swiglu=False, out=None, rscale=None,
                residual=None, **config):
     """gemv_i8_rows' contract in torch (naive_quant_matmul, then its epilogue's rounding): the
@@ -222,33 +190,42 @@ def naive_rows(x, qa, qb, sz, bits, group_size=128, swiglu=False, out=None, rsca
     return out
 
 
-def check_model_rows_fold_wiring(seed: int, m: int = 3) -> None:
-    """The per-row residual norm (engine.ROWS_FOLD) wired through the model's layers at m
-    decode tokens on the CPU, gemv_i8_rows standing in as `naive_rows`: the folded boundaries
-    skip the norm kernel, each Normed carries ss [m, tiles], and the output and states equal
-    the unfolded run's."""
+def check_model_rows_fold(seed: int, device: str = "cpu", m: int = 3) -> None:
+    """Two KDA layers (hidden 512, MLP 1024, 3-bit, groups of 128) at m decode tokens on
+    gemv_i8_rows, with the residual add + next RMSNorm folded per row (engine.ROWS_FOLD) and
+    not: the folded boundaries skip the norm kernel, each Normed carries ss [m, tiles], and the
+    output and states equal the unfolded run's. On the CPU gemv_i8_rows stands in as
+    `naive_rows` (its PTX cannot run there) and the other kernels run in the interpreter."""
+    from contextlib import ExitStack
+
     from volundr import ops
     from volundr.kernels.quant import engine, gemv_i8_rows
     from volundr.model.volundr import run_layers
 
-    cfg, layers = _model_layers(seed, "cpu", 128, 512, 1024, 3)
-    state0 = torch.randn(m, 2, 32, 32) * 0.3
-    conv0 = torch.randn(m, 3 * 2 * 32, 3).to(torch.bfloat16)
-    b = SimpleNamespace(max_q_len=1, slot_ids=torch.arange(m), cu_list=list(range(m + 1)),
-                        cu_seqlens=torch.arange(m + 1, dtype=torch.int32))
-    h0 = torch.randn(m, cfg.hidden_size).to(torch.bfloat16)
+    cfg, layers = _model_layers(seed, device, 128, 512, 1024, 3)
+    state0 = torch.randn(m, 2, 32, 32, device=device) * 0.3
+    conv0 = torch.randn(m, 3 * 2 * 32, 3, device=device).to(torch.bfloat16)
+    b = SimpleNamespace(max_q_len=1, slot_ids=torch.arange(m, device=device),
+                        cu_list=list(range(m + 1)),
+                        cu_seqlens=torch.arange(m + 1, dtype=torch.int32, device=device))
+    h0 = torch.randn(m, cfg.hidden_size, device=device).to(torch.bfloat16)
+    kernel = ({"side_effect": naive_rows} if device == "cpu"
+              else {"wraps": gemv_i8_rows.gemv_i8_rows})
     out = {}
     for fold in (True, False):
         for layer in layers:
             layer.kda.state, layer.kda.conv_state = state0.clone(), conv0.clone()
-        with (mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name)),
-              mock.patch.object(engine, "TC_MIN_DIM", 0),
-              mock.patch.object(engine, "GEMV_PATH", "i8"),
-              mock.patch.object(engine, "GEMM16_PATH", "tile"),
-              mock.patch.object(engine, "I8_ROWS", 16),
-              mock.patch.object(engine, "ROWS_FOLD", fold),
-              mock.patch.object(gemv_i8_rows, "gemv_i8_rows", side_effect=naive_rows) as rows,
-              mock.patch.object(ops, "rms_norm", wraps=ops.rms_norm) as calls):
+        with ExitStack() as stack:
+            if device == "cpu":
+                stack.enter_context(mock.patch.object(
+                    ops, "_fast", lambda t, name: ops._fast_module(name)))
+                stack.enter_context(mock.patch.object(engine, "GEMM16_PATH", "tile"))
+            for name, value in (("TC_MIN_DIM", 0), ("GEMV_PATH", "i8"), ("I8_ROWS", 16),
+                                ("ROWS_FOLD", fold)):
+                stack.enter_context(mock.patch.object(engine, name, value))
+            rows = stack.enter_context(mock.patch.object(gemv_i8_rows, "gemv_i8_rows",
+                                                         **kernel))
+            calls = stack.enter_context(mock.patch.object(ops, "rms_norm", wraps=ops.rms_norm))
             y = run_layers(layers, h0, b)
             assert rows.call_count >= 4, rows.call_count
             if fold:
@@ -256,7 +233,7 @@ def check_model_rows_fold_wiring(seed: int, m: int = 3) -> None:
                 assert folded and all(c.kwargs["residual"][3].shape[0] == m for c in folded)
         out[fold] = (y, [lay.kda.state.clone() for lay in layers], calls.call_count)
     (y1, s1, n1), (y0, s0, n0) = out[True], out[False]
-    assert n1 < n0, (n1, n0)
+    assert n1 < n0, (n1, n0)  # (o_proj's groups of 32 keep its boundary on the norm kernel)
     assert all(_rel(a, c) < 1e-2 for a, c in zip(s1, s0)), "states"
     assert y1.shape == (m, cfg.hidden_size) and _rel(y1, y0) < 2e-2, _rel(y1, y0)
 
@@ -325,7 +302,7 @@ def run_cpu() -> None:
     assert engine.quant_matmul_rscaled(x, ss[0], EPS, qa, qb, sz, 4, 128) is None
     engine.TC_MIN_DIM = 2048
     check_model_layers(_seed())
-    check_model_rows_fold_wiring(_seed())
+    check_model_rows_fold(_seed())
 
 
 def test_interpreter():
@@ -356,7 +333,7 @@ def test_cuda_model_layers_digits_epilogue():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_model_layers_rows_fold():
-    check_model_rows_fold(_seed())
+    check_model_rows_fold(_seed(), "cuda")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -40,7 +40,9 @@ def engine(models, drafter=None, device="cpu", **kw) -> LLMEngine:
     args.update(kw)
     dev = {n: t.to(device) for n, t in models["sd"].items()}
     draft = None
-    if drafter is not None:
+    if drafter == "mtp":  # the checkpoint's MTP head (tests/test_speculative_mtp.py)
+        draft = "mtp"
+    elif drafter is not None:
         dcfg, dsd = models[drafter]
         draft = (dcfg, {n: t.to(device) for n, t in dsd.items()})
     return LLMEngine(models["cfg"], dev, EngineConfig(**args), EOS, draft)

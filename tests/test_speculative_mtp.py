@@ -33,11 +33,7 @@ def models():
 
 def mtp_engine(models, device="cpu", **kw) -> LLMEngine:
     """test_speculative.engine's arguments, the MTP head as the draft source."""
-    args = dict(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
-                max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=80)
-    args.update(kw)
-    sd = {n: t.to(device) for n, t in models["sd"].items()}
-    return LLMEngine(models["cfg"], sd, EngineConfig(**args), EOS, "mtp")
+    return engine(models, "mtp", device, **kw)
 
 
 def oracle(monkeypatch, full: dict[str, list[int]]) -> dict[str, int]:

@@ -331,7 +331,7 @@ def _rows_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
                            and residual.dtype == norm_weight.dtype == x.dtype)):
         return None
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
-    ss = torch.empty(m, gemv_i8_rows.tiles(n, kw["reps"]), dtype=torch.float32, device=x.device)
+    ss = torch.empty(m, gemv_i8.tiles(n, kw["reps"]), dtype=torch.float32, device=x.device)
     gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu, out=h,
                               residual=(residual, norm_weight, xw, ss), **kw)
     return h, xw, ss, None

@@ -34,7 +34,7 @@ import triton.language as tl
 from volundr.kernels import pdl
 from volundr.kernels.quant.digits import nb, plane_rows, x_digits
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
-from volundr.kernels.quant.gemv_i8 import asm_pair4, asm_step2m, asm_step3m
+from volundr.kernels.quant.gemv_i8 import asm_pair4, asm_step2m, asm_step3m, tiles
 from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
 
 MAX_ROWS = 16
@@ -253,11 +253,6 @@ def supported(x: torch.Tensor, bits: int, group_size: int, n: int, k: int,
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def tiles(n: int, reps: int) -> int:
-    """Programs along N (output tiles of 32 reps rows): the residual epilogue's ss columns."""
-    return n // (32 * reps)
-
-
 def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
                  bits: int, group_size: int = 128, swiglu: bool = False, reps: int = 2,
                  waves: float = 16.0, unroll: int = 1, maxnreg: int | None = None,
@@ -303,6 +298,5 @@ def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
         xd, xg, qa, qb if bits == 3 else qa, sz, out, ws, cnt, num_groups, gps, ns,
         N=n, BITS=bits, WA=plane_rows(bits, group_size), NB=nb(bits), L=reps, Q=8, R=m,
         RB=triton.cdiv(m, 4), UNROLL=unroll, SPLIT_K=ns > 1, **consts(bits), PF=prefetch,
-        num_warps=1,
-        launch_pdl=pdl.ON.value, **kw)
+        num_warps=1, launch_pdl=pdl.ON.value, **kw)
     return out
