@@ -159,15 +159,19 @@ def _takes_gemv_i8(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) 
                                      gemv_i8.config(bits, n, k)["reps"]))
 
 
-def _rows_config(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> dict | None:
-    """gemv_i8_rows's config where a call with x [M, K'] (K = k inputs per row) and N = n
-    outputs goes to it (2 <= M <= I8_ROWS on the i8 path, both dims at the size floor, a
-    supported format), else None."""
-    m = x.shape[0]
-    kw = gemv_i8_rows.config(bits, m, n, k)
-    ok = (1 < m <= I8_ROWS and GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
+def _rows_kw(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> dict | None:
+    """gemv_i8_rows's config for x [M, K'] (K = k inputs per row, M <= 16) against N = n
+    outputs where it takes the call (the i8 path, both dims at the size floor, a supported
+    format), else None."""
+    kw = gemv_i8_rows.config(bits, x.shape[0], n, k)
+    ok = (GEMV_PATH == "i8" and min(k, n) >= TC_MIN_DIM
           and gemv_i8_rows.supported(x, bits, group_size, n, k, kw["reps"], kw["unroll"]))
     return kw if ok else None
+
+
+def _rows_config(x: torch.Tensor, k: int, n: int, bits: int, group_size: int) -> dict | None:
+    """`_rows_kw` where M = x.shape[0] is in 2..I8_ROWS, else None."""
+    return _rows_kw(x, k, n, bits, group_size) if 1 < x.shape[0] <= I8_ROWS else None
 
 
 def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tensor,
@@ -222,10 +226,8 @@ def _rows_chunked(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch
     m, n = x.shape[0], qa.shape[1]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     step = gemv_i8_rows.MAX_ROWS
-    chunks = [(i, gemv_i8_rows.config(bits, min(step, m - i), n, k)) for i in range(0, m, step)]
-    if GEMV_PATH != "i8" or min(k, n) < TC_MIN_DIM or not all(
-            gemv_i8_rows.supported(x[i:i + step], bits, group_size, n, k, kw["reps"],
-                                   kw["unroll"]) for i, kw in chunks):
+    chunks = [(i, _rows_kw(x[i:i + step], k, n, bits, group_size)) for i in range(0, m, step)]
+    if any(kw is None for _, kw in chunks):
         return None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     for i, kw in chunks:

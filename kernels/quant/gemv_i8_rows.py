@@ -35,7 +35,7 @@ from volundr.kernels import pdl
 from volundr.kernels.quant.digits import nb, plane_rows, x_digits
 from volundr.kernels.quant.gemv import _workspace, split_k, sum_splits
 from volundr.kernels.quant.gemv_i8 import asm_pair4, asm_step2m, asm_step3m, tiles
-from volundr.kernels.quant.gemv_tc import _lane_rows, _ld
+from volundr.kernels.quant.gemv_tc import _lane_rows, _ld, residual_h
 
 MAX_ROWS = 16
 # reps (BN = 32 reps), programs per SM, groups per loop trip: up to 4 rows (one B) and beyond
@@ -161,12 +161,9 @@ def _epilogue(y, b: tl.constexpr, c4, n, pid_n, N: tl.constexpr, R: tl.constexpr
         y = y * tl.rsqrt(tl.sum(rsv, axis=1) / K + eps)[:, None, None, None]
     out = xc * N + n
     if RES:
-        dt = xs_ptr.dtype.element_ty
-        r = tl.load(r_ptr + out, mask=xc < R, other=0.0).to(tl.float32)
-        w = tl.load(nw_ptr + n).to(tl.float32)
-        h = (y.to(dt).to(tl.float32) + r).to(dt)
-        hf = h.to(tl.float32)
-        tl.store(xs_ptr + out, (hf * w).to(dt), mask=xc < R)
+        r = tl.load(r_ptr + out, mask=xc < R, other=0.0)
+        hf, xs = residual_h(y, r, tl.load(nw_ptr + n), xs_ptr)
+        tl.store(xs_ptr + out, xs, mask=xc < R)
         sq = tl.sum(tl.sum(tl.sum(hf * hf, axis=3), axis=2), axis=1)  # [4]
         tl.store(ss_ptr + rows * tl.num_programs(0) + pid_n, sq, mask=rows < R)
         y = hf

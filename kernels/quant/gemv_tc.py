@@ -336,21 +336,29 @@ def _norm_prologue(x_ptr, r_ptr, w_ptr, h_ptr, xs_ptr, set0, set1, K, write, G: 
 
 
 @triton.jit
+def residual_h(y, r, w, xs_ptr):
+    """h = y rounded to x's dtype dt (xs_ptr's) plus the residual r, rounded again, as float32,
+    and h w in dt (the next GEMV's x): the unfolded path's bf16 output, then the norm kernel's
+    add."""
+    dt = xs_ptr.dtype.element_ty
+    hf = (y.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt).to(tl.float32)
+    return hf, (hf * w.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n,
                        CG: tl.constexpr = False):
     """RES, on a tile's final sums y [Q, L, 4] (rows n3): h = y rounded to x's dtype plus the
     residual r, rounded again (the unfolded path's bf16 output, then the norm kernel's add);
     x' = h w into xs (the next GEMV's x) and this tile's sum of h^2 into ss[pid_n] (the next
     GEMV adds the tiles' sums in a fixed order: no atomics, no zeroing). Returns h."""
-    dt = xs_ptr.dtype.element_ty
-    r = _ld(r_ptr + n3, ymask, True, CG).to(tl.float32)
-    w = tl.load(nw_ptr + n3, mask=ymask, other=0.0).to(tl.float32)
-    h = (y.to(dt).to(tl.float32) + r).to(dt)
-    hf = h.to(tl.float32)
-    tl.store(xs_ptr + n3, (hf * w).to(dt), mask=ymask)
+    r = _ld(r_ptr + n3, ymask, True, CG)
+    w = tl.load(nw_ptr + n3, mask=ymask, other=0.0)
+    hf, xs = residual_h(y, r, w, xs_ptr)
+    tl.store(xs_ptr + n3, xs, mask=ymask)
     sq = tl.sum(tl.sum(tl.where(ymask, hf * hf, 0.0), axis=2), axis=1)
     tl.store(ss_ptr + pid_n, tl.sum(sq, axis=0))
-    return h
+    return hf
 
 
 @triton.jit
