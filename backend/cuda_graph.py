@@ -151,15 +151,21 @@ class CheckGraphs:
     and see a context of 1, like the decode graphs' padding."""
 
     def __init__(self, model, device: torch.device, L: int, max_n: int, max_blocks: int,
-                 max_model_len: int, logits: bool, budget_bytes: int | None = None):
+                 max_model_len: int, logits: bool, budget_bytes: int | None = None,
+                 mtp: torch.dtype | None = None):
         """logits: the checks end in the logits of every row (the model's check), or in the
-        hidden states only (a drafter catching up). Raises RuntimeError where a size cannot be
+        hidden states only (a drafter catching up). mtp (the compute dtype): the graphs run the
+        MTP block instead (`run_mtp`), no commits. Raises RuntimeError where a size cannot be
         captured (the runner then checks eagerly)."""
         from volundr.model import ForwardBatch
 
         self.model, self.L, self.max_n, self.logits = model, L, max_n, logits
-        self.device, self.budget_bytes = device, budget_bytes
+        self.device, self.budget_bytes, self.mtp = device, budget_bytes, mtp is not None
         T, z = max_n * L, dict(device=device)
+        if self.mtp:  # the rows' hidden states and next ids; each sequence's last row
+            self.mtp_hidden = torch.zeros(T, model.cfg.hidden_size, dtype=mtp, **z)
+            self.mtp_ids = torch.zeros(T, dtype=torch.long, **z)
+            self.mtp_last = torch.zeros(max_n, dtype=torch.long, **z)
         m, pad = model.cfg.engram.max_order, model.cfg.engram.pad_id
         self.cu = torch.zeros(2 * max_n + 1, dtype=torch.int32, **z)
         self.cu_commit = torch.zeros(2 * max_n + 1, dtype=torch.int32, **z)
@@ -192,6 +198,11 @@ class CheckGraphs:
         n = b.num_seqs // 2  # each row takes its sequence's block table
         self.tables[:n * self.L].view(n, self.L, -1).copy_(self.seq_tables[:n, None])
         b.stash = []
+        if self.mtp:  # each sequence's greedy guess from its last row: [n]
+            Tn = n * self.L
+            e = self.model.embed(self.mtp_ids[:Tn], self.device, self.mtp_hidden.dtype)
+            h = self.model.mtp(self.mtp_hidden[:Tn], e, b)
+            return self.model.compute_logits(h[self.mtp_last[:n]]).argmax(dim=-1), [], h
         hidden = self.model(b)
         return (self.model.compute_logits(hidden) if self.logits else None), b.stash, hidden
 
@@ -210,11 +221,12 @@ class CheckGraphs:
         torch.cuda.synchronize()
         check_room(self.device, self.budget_bytes,
                    torch.cuda.max_memory_allocated(self.device) - base)
-        g, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        g, gc = torch.cuda.CUDAGraph(), None if self.mtp else torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
             logits, stash, hidden = self._check(b)
-        with torch.cuda.graph(gc, pool=self.pool):
-            self._commit(stash, bc)
+        if gc is not None:
+            with torch.cuda.graph(gc, pool=self.pool):
+                self._commit(stash, bc)
         torch.cuda.synchronize()
         # (the stash stays allocated for the commit, the hidden states for an MTP draft)
         self.graphs[n] = (g, gc, logits, stash, hidden)
@@ -234,6 +246,34 @@ class CheckGraphs:
     @torch.inference_mode()
     def run_check(self, lay: dict[str, list]) -> torch.Tensor | None:
         """Replays the check of a layout (ModelRunner.check_layout); logits [n * L, vocab]."""
+        g, _, logits, _, hidden = self.graphs[self._fill(lay)]
+        g.replay()
+        T = len(lay["slots"]) // 2 * self.L
+        self.hidden = hidden[:T]  # the rows' hidden states before the final norm (MTP drafts)
+        return None if logits is None else logits[:T]
+
+    @torch.inference_mode()
+    def run_mtp(self, lay: dict[str, list], hidden: torch.Tensor, ids: list[int]) -> list[int]:
+        """Replays the MTP block over a layout's rows (sequence i's first m_i of its L rows):
+        hidden [sum m_i, d] the rows' hidden states, ids their next tokens, in row order.
+        Returns each sequence's greedy guess after its last row."""
+        n, L = len(lay["slots"]) // 2, self.L
+        lens = [lay["cu"][2 * i + 1] - lay["cu"][2 * i] for i in range(n)]
+        rows = [i * L + j for i, m in enumerate(lens) for j in range(m)]
+        last = [i * L + m - 1 for i, m in enumerate(lens)]
+        size = self._fill(lay)
+        a = torch.tensor(rows + ids + last, dtype=torch.long).pin_memory().to(
+            self.device, non_blocking=True)
+        idx, nxt, a_last = a.split([len(rows), len(ids), n])
+        self.mtp_hidden.index_copy_(0, idx, hidden)
+        self.mtp_ids.index_copy_(0, idx, nxt)
+        self.mtp_last[:n] = a_last
+        g, _, guesses, _, _ = self.graphs[size]
+        g.replay()
+        return guesses[:n].tolist()
+
+    def _fill(self, lay: dict[str, list]) -> int:
+        """The static buffers of a layout's graph; returns its size (sequences)."""
         n = len(lay["slots"]) // 2
         size, L, m = self._size(n), self.L, self.ngram_ids.shape[1]
         T, Tn, pad = n * L, size * L, self.model.cfg.engram.pad_id
@@ -253,10 +293,7 @@ class CheckGraphs:
         self.ctx[:Tn] = ctx
         self.seq_tables[:size].zero_()
         self.seq_tables[:n, :width] = tables.view(n, width)
-        g, _, logits, _, hidden = self.graphs[size]
-        g.replay()
-        self.hidden = hidden[:T]  # the rows' hidden states before the final norm (MTP drafts)
-        return None if logits is None else logits[:T]
+        return size
 
     @torch.inference_mode()
     def run_commit(self, n: int, lay: dict[str, list]) -> None:

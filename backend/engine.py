@@ -127,7 +127,7 @@ class LLMEngine:
                                       ecfg.max_num_seqs, ecfg.num_kv_blocks, ecfg.block_size,
                                       ecfg.seed, ecfg.max_model_len, ecfg.cuda_graphs,
                                       gpu_budget_gib=ecfg.gpu_gib, kv_dtype=ecfg.kv_dtype,
-                                      check_len=self.check_len)
+                                      check_len=self.check_len, mtp_graphs=self.mtp)
         self.runner.keep_hidden = self.mtp  # (MTP drafts read the forwards' hidden states)
         self.drafter = None
         # speculative steps, the sequences they ran (a sequence per step), the tokens they made

@@ -49,7 +49,7 @@ class ModelRunner:
                  cuda_graphs: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  gpu_budget_gib: float | None = None, tp_all_reduce: str = "nccl",
                  kv_dtype: torch.dtype | None = None, check_len: int = 0,
-                 check_logits: bool = True):
+                 check_logits: bool = True, mtp_graphs: bool = False):
         """With tp_size > 1 (volundr.distributed) `state_dict` is this rank's shard
         (`shard_state_dict`) and the caches hold this rank's heads; only rank 0 samples;
         tp_all_reduce "symm": decode-sized all-reduces through symmetric memory
@@ -58,7 +58,8 @@ class ModelRunner:
         kv_dtype: the attention KV caches' dtype (None: `dtype`).
         check_len: speculative checks of this many tokens per sequence run as CUDA graphs
         (`check`; up to MAX_CHECK_SEQS sequences; 0: none captured), ending in logits or, without
-        check_logits, in hidden states (a drafter)."""
+        check_logits, in hidden states (a drafter); with mtp_graphs the MTP block over up to
+        check_len rows per sequence too (`mtp`, the drafts of speculate_mtp)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.kv_dtype = kv_dtype or dtype
         budget_bytes = None
@@ -123,6 +124,16 @@ class ModelRunner:
                 self.max_check_seqs = self.checks.max_n
             except RuntimeError as e:
                 warnings.warn(f"speculative checks run eagerly: {e}", stacklevel=2)
+                torch.cuda.empty_cache()
+        self.mtp_graphs = None
+        if self.checks is not None and mtp_graphs and self.model.mtp is not None:
+            try:
+                self.mtp_graphs = CheckGraphs(
+                    self.model, device, check_len, self.checks.max_n,
+                    -(-max_model_len // block_size), max_model_len, True, budget_bytes,
+                    mtp=dtype)
+            except RuntimeError as e:
+                warnings.warn(f"the MTP block runs eagerly: {e}", stacklevel=2)
                 torch.cuda.empty_cache()
 
     def _allocate_caches(self) -> None:
@@ -405,6 +416,10 @@ class ModelRunner:
         states there (before the final norm), next_ids [T] each position's next token. Its
         attention KV is stored at those positions; returns each item's greedy guess of the
         token after its last next id (its last row's MTP logits)."""
+        g = self.mtp_graphs
+        if (g is not None and len(batch) <= g.max_n
+                and all(it.num_new_tokens <= g.L for it in batch)):
+            return g.run_mtp(self.check_layout(batch, g.L), hidden, next_ids)
         b = self.prepare(batch)
         e = self.model.embed(torch.tensor(next_ids), hidden.device, hidden.dtype)
         h = self.model.mtp(hidden, e, b)

@@ -1,11 +1,14 @@
 """Where a speculative decode step's time goes: host wall time of each phase, synchronised.
 
     python3 perf/diag_speculative.py --variant mixed@8+draft --out $OUT/spec_phases.json
+    python3 perf/diag_speculative.py --variant mixed@8+mtp      # the MTP head's drafts
+    python3 perf/diag_speculative.py --variant mixed@8+mtpeager # its block not in graphs
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
-the drafter's restore) with CUDA-synchronised timers; prints and writes the mean ms per step of
-each, the engine steps' mean, and the replay time of the check graph alone (GPU only).
+the drafter's restore; the MTP block where it drafts) with CUDA-synchronised timers; prints and
+writes the mean ms per step of each, the engine steps' mean, and the replay time of the check
+graph alone (GPU only).
 """
 
 from __future__ import annotations
@@ -41,17 +44,22 @@ def main() -> None:
     args = ap.parse_args()
     base, *sfx = args.variant.split("+")
     variant, _, steps = base.partition("@")
-    draft = "self" if "draftself" in sfx else "random"
+    mtp = "mtp" in sfx or "mtpeager" in sfx  # +mtpeager: the MTP block without its graphs
+    draft = "self" if "draftself" in sfx else "mtp" if mtp else "random"
     k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), 4)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     e = build(variant, True, 1, args.preset, dev, None, int(steps or 1), 4096, 1, "auto",
               draft=draft, spec_k=k)
+    if "mtpeager" in sfx:
+        e.runner.mtp_graphs = None
     decode_rate(e, 1, 128, 8)  # warm-up (the drafter's prefill at the timed prompt's length too)
     totals: dict[str, list[float]] = defaultdict(list)
     t_runner, d_runner = e.runner, e.drafter
-    for obj, names in ((t_runner, ("check", "commit")),
+    for obj, names in ((t_runner, ("check", "commit", "mtp")),
                        (d_runner, ("check", "commit", "run_decode_steps", "save_states",
                                    "load_states", "run"))):
+        if obj is None:  # the MTP head drafts: no drafter
+            continue
         who = "model" if obj is t_runner else "drafter"
         for n in names:
             setattr(obj, n, _timed(totals, f"{who}.{n}", getattr(obj, n)))

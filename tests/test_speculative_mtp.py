@@ -5,7 +5,8 @@ forced right (the MTP block still running, so its KV takes two rows a step); the
 sequence holds equals the MTP block's guess from a fresh forward over its whole history (the
 MTP KV kept right across prefill chunks, checks and rejected guesses); the context limit, a
 seeded request, preemption and multi-step decode leave the output alone; sampled requests run
-too; a checkpoint without an MTP block is refused; on CUDA the checks' graphs feed it."""
+too; a checkpoint without an MTP block is refused; on CUDA the checks' graphs feed it and the
+block's own graphs guess as the eager block."""
 
 from __future__ import annotations
 
@@ -163,8 +164,8 @@ def test_mtp_sampled_requests_run(models):
 
 @CUDA
 def test_cuda_mtp_greedy_output_is_unchanged(models):
-    """On CUDA (bf16; decode and the checks in CUDA graphs, the checks' hidden states read
-    from the graphs, the MTP block eager): plain greedy's tokens, with right guesses fewer
+    """On CUDA (bf16; decode, the checks and the MTP block in CUDA graphs, the checks' hidden
+    states read from the graphs): plain greedy's tokens, with right guesses fewer
     steps."""
     ps = prompts(2)
     reqs = [(f"r{i}", p, greedy(32, ignore_eos=True)) for i, p in enumerate(ps)]
@@ -174,6 +175,41 @@ def test_cuda_mtp_greedy_output_is_unchanged(models):
     got, _, _ = run(e, reqs)
     # bf16: the two-row check and the one-token decode may round a late near-tie apart
     assert all(got[r][:8] == want[r][:8] for r in want) and e.stats()["spec_steps"] > 0
+
+
+@CUDA
+def test_cuda_mtp_graph_guesses_as_the_eager_block(models):
+    """The MTP block's CUDA graphs (ModelRunner.mtp_graphs: 1 or 2 rows per sequence, the
+    rows' attention) guess what the eager block ranks first, on fresh random hidden states and
+    next ids at positions inside three decoding sequences' histories (bf16: or within a
+    near-tie of it); a thrown-away engine, so rewriting the block's KV there is harmless."""
+    e = mtp_engine(models, device="cuda")
+    r, g = e.runner, e.runner.mtp_graphs
+    assert g is not None and g.graphs
+    for i, p in enumerate(prompts(3, seed=8)):
+        e.add_request(p, greedy(24, ignore_eos=True), f"r{i}")
+    for _ in range(6):
+        e.step()
+    seqs = list(e.requests.values())
+    assert len(seqs) == 3 and all(s.num_output_tokens > 2 for s in seqs)
+    lens = [1, 2, 2]
+    for s in seqs:
+        s.num_computed_tokens -= 2  # positions already in the block tables
+    batch = [ScheduledSeq(s, m) for s, m in zip(seqs, lens)]
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(sum(lens), models["cfg"].hidden_size, generator=gen).to(
+        "cuda", torch.bfloat16)
+    ids = torch.randint(3, 512, (sum(lens),), generator=gen)
+    replays = []
+    real = g.run_mtp
+    g.run_mtp = lambda *a: replays.append(1) or real(*a)
+    got = r.mtp(batch, hidden, ids.tolist())
+    assert replays == [1]
+    with torch.inference_mode():
+        logits = r.model.mtp_logits(hidden, ids, r.prepare(batch))
+    last = torch.tensor(lens).cumsum(0) - 1
+    for i, row in enumerate(logits[last.cuda()]):
+        assert row[got[i]] >= row.max() - 0.02 * row.abs().max(), (i, got[i], row.argmax())
 
 
 def test_mtp_needs_the_block(models):
