@@ -3,6 +3,7 @@
     python3 perf/diag_speculative.py --variant mixed@8+draft --out $OUT/spec_phases.json
     python3 perf/diag_speculative.py --variant mixed@8+mtp      # the MTP head's drafts
     python3 perf/diag_speculative.py --variant mixed@8+mtpeager # its block not in graphs
+    python3 perf/diag_speculative.py --variant mixed@8+mtpright # its guesses all right
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
@@ -35,6 +36,31 @@ def _timed(totals: dict, name: str, fn):
     return wrapper
 
 
+def right_guesses(e, tokens: int) -> None:
+    """Decodes decode_rate's request of `tokens` once (its greedy ids kept), then makes the
+    runner's MTP block return the right guess for it: the id after the one its last row is
+    followed by."""
+    ids: list[int] = []
+    step = e.step
+
+    def collect():
+        outs = step()
+        ids.extend(t for o in outs for t in o.new_token_ids)
+        return outs
+
+    e.step = collect
+    decode_rate(e, 1, 128, tokens)
+    e.step = step
+    real = e.runner.mtp
+
+    def mtp(batch, hidden, next_ids):
+        got = real(batch, hidden, next_ids)
+        at = [len(it.seq.token_ids) + 1 - it.seq.num_prompt_tokens for it in batch]
+        return [ids[i] if 0 <= i < len(ids) else g for i, g in zip(at, got)]
+
+    e.runner.mtp = mtp
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", default="mixed@8+draft")
@@ -44,7 +70,9 @@ def main() -> None:
     args = ap.parse_args()
     base, *sfx = args.variant.split("+")
     variant, _, steps = base.partition("@")
-    mtp = "mtp" in sfx or "mtpeager" in sfx  # +mtpeager: the MTP block without its graphs
+    # +mtpeager: the MTP block without its graphs; +mtpright: its guesses replaced by the right
+    # ones (the block still runs; plain greedy's ids from an untimed first run): the upper bound
+    mtp = bool({"mtp", "mtpeager", "mtpright"} & set(sfx))
     draft = "self" if "draftself" in sfx else "mtp" if mtp else "random"
     k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), 4)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,6 +81,11 @@ def main() -> None:
     if "mtpeager" in sfx:
         e.runner.mtp_graphs = None
     decode_rate(e, 1, 128, 8)  # warm-up (the drafter's prefill at the timed prompt's length too)
+    if "mtpright" in sfx:
+        right_guesses(e, args.tokens)
+    before = e.stats()
+    clean = decode_rate(e, 1, 128, args.tokens)  # no timers (their syncs cost)
+    spec_stats = {k: v - before[k] for k, v in e.stats().items() if k.startswith("spec_")}
     totals: dict[str, list[float]] = defaultdict(list)
     t_runner, d_runner = e.runner, e.drafter
     for obj, names in ((t_runner, ("check", "commit", "mtp")),
@@ -70,10 +103,13 @@ def main() -> None:
     res = {"variant": args.variant, "device": torch.cuda.get_device_name() if dev == "cuda"
            else "cpu", "tok_per_s": rate["tok_per_s"], "steps": rate["steps"],
            "ms_mean": {n: 1e3 * sum(v) / len(v) for n, v in totals.items()},
-           "calls": {n: len(v) for n, v in totals.items()}}
-    checks = getattr(t_runner, "checks", None)
-    if checks is not None and checks.graphs:
-        res["check_graph_ms"] = replay_ms(checks.graphs[min(checks.graphs)][0], 20)
+           "calls": {n: len(v) for n, v in totals.items()},
+           "untimed": {"tok_per_s": clean["tok_per_s"], "ms_per_step": clean["ms_per_step"],
+                       **spec_stats}}
+    for name in ("checks", "mtp_graphs"):
+        g = getattr(t_runner, name, None)
+        if g is not None and g.graphs:
+            res[f"{name}_graph_ms"] = replay_ms(g.graphs[min(g.graphs)][0], 20)
     res["decode_graph_ms"] = graph_ms(e, 1, 20)
     print(json.dumps(res, indent=1))
     if args.out:
