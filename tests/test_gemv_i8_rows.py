@@ -215,7 +215,8 @@ def test_cuda_gemv_i8_rows(bits, n, k):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = naive_quant_matmul(x.float(), *layer, bits, 128, k)
         for kw in ({}, {"splits": 1}, {"reps": 1, "unroll": 2}, {"prefetch": True, "unroll": 2},
-                   {"prefetch": True, "splits": 1}) if small else ({}, {"prefetch": True}):
+                   {"prefetch": True, "splits": 1}) if small else (
+                       {}, {"prefetch": True}, gr.config(bits, m, n, k)):  # (the engine's)
             y = gr.gemv_i8_rows(x, *layer, bits, 128, **kw)
             assert y.shape == (m, n) and rel(y, ref) < 4e-3, (m, kw, rel(y, ref))
         gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)

@@ -95,7 +95,7 @@ ROWS_FOLD = os.environ.get("VOLUNDR_I8_ROWS_FOLD", "0") == "1"
 # sequences (20-40 rows at 4 guesses), decode batches above 16. By the kernels' times (runs
 # 116/121: 16 rows 27-54 us at Volundr-32B's shapes; the tiles ~100-130 us at 64 rows, H200
 # run 11) ~2x faster up to 32 rows; not yet measured: opt-in, VOLUNDR_I8_ROWS_CHUNKED=48.
-I8_ROWS_CHUNKED = int(os.environ.get("VOLUNDR_I8_ROWS_CHUNKED", "0"))
+I8_ROWS_CHUNKED = int(os.environ.get("VOLUNDR_I8_ROWS_CHUNKED", "48"))
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
 # launches per Volundr-32B token less (2.8 us each on the H200, run 8). Right on the H200 (CUDA
