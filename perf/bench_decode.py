@@ -19,33 +19,33 @@ with it x's digits written by the residual epilogues or made by a launch before 
 (engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for those rows), +rowsfold /
 +norowsfold = with it the residual add + next RMSNorm per row in its epilogue and the next one's
 scale (engine.ROWS_FOLD, opt-in), +i8chunkN = 17..N rows as 16-row gemv_i8_rows calls
-(engine.I8_ROWS_CHUNKED, opt-in; --max-num-seqs 32 --batches 32); +fold = the residual add + RMSNorm
-into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated output norm folded into
-its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the residual add + next RMSNorm
-in the output projections' GEMV epilogue and the norm's scale in the next GEMV, or not
-(engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs as one persistent
-launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold / +nolrfold = KDA's f_b /
-g_b computed in its decode kernel or not (kernels/kda/engine.LOW_RANK_FOLD), +top = gemv_tc's PDL
-trigger at its top (pdl.LATE_TRIGGER off; after its main loop is the default since run 15), +noearly
-= its first weights of each set loaded after the PDL wait, not before (pdl.EARLY_WEIGHTS off; one
-block at 4 bits is the default since run 16), +early = one block at 3 and 4 bits, +e4:2/3:2 = blocks
-per bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the batch-1 GEMV at reps N (32 N rows
-per program; waves scaled to keep its splits; after it +wN sets waves N), +uncap = no register cap
-on the GEMV, +tcminN = the tensor-core paths from N input / output features up (TC_MIN_DIM), +sN =
-the tensor-core GEMV/GEMM's weights pipelined through shared memory in N stages (`stages` of
-GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2. PDL itself is per process
-(VOLUNDR_PDL). +tpN runs the variant tensor parallel over N devices (volundr.distributed: one
-process per GPU, NCCL, every rank replaying its decode graphs; a budget G applies to each GPU; no
-graph_ms: rank 0's graph alone would wait for the other ranks' collectives), e.g. --variants
-mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric memory's one-shot
-kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs). +fp8kv: the attention KV
-cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv. +draft: speculative
-decoding (volundr.speculative) with a random drafter of the preset's drafter sizes (volundr-draft;
-random: few guesses right, the machinery's cost), +draftself with the model itself as drafter (every
-guess right: the upper bound), +mtp with the model's MTP head (one guess a step); +kN guesses per
-step (default 4); the rows then carry the engine's
-spec_steps, spec_seqs and spec_tokens (tokens per sequence and step: spec_tokens / spec_seqs). A
-variant that fails is recorded with its error; the JSON is rewritten after every variant.
+(engine.I8_ROWS_CHUNKED: 48 by default, +i8chunk0 off; --max-num-seqs 32 --batches 32); +fold = the
+residual add + RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated
+output norm folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the
+residual add + next RMSNorm in the output projections' GEMV epilogue and the norm's scale in the
+next GEMV, or not (engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate_up and down GEMVs
+as one persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold /
++nolrfold = KDA's f_b / g_b computed in its decode kernel or not (kernels/kda/engine.LOW_RANK_FOLD),
++top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off; after its main loop is the default
+since run 15), +noearly = its first weights of each set loaded after the PDL wait, not before
+(pdl.EARLY_WEIGHTS off; one block at 4 bits is the default since run 16), +early = one block at 3
+and 4 bits, +e4:2/3:2 = blocks per bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the
+batch-1 GEMV at reps N (32 N rows per program; waves scaled to keep its splits; after it +wN sets
+waves N), +uncap = no register cap on the GEMV, +tcminN = the tensor-core paths from N input /
+output features up (TC_MIN_DIM), +sN = the tensor-core GEMV/GEMM's weights pipelined through shared
+memory in N stages (`stages` of GEMV_TC_CONFIG and GEMM16_TC_CONFIG); e.g. mixed:16@8+fold+top+s2.
+PDL itself is per process (VOLUNDR_PDL). +tpN runs the variant tensor parallel over N devices
+(volundr.distributed: one process per GPU, NCCL, every rank replaying its decode graphs; a budget G
+applies to each GPU; no graph_ms: rank 0's graph alone would wait for the other ranks' collectives),
+e.g. --variants mixed:16@8,mixed:16@8+tp2; +symm with it: the decode all-reduces through symmetric
+memory's one-shot kernel instead of NCCL (VOLUNDR_TP_ALLREDUCE=symm; not yet run on GPUs). +fp8kv:
+the attention KV cache in fp8 e4m3 (EngineConfig.kv_cache_dtype "fp8"), e.g. mixed:16+fp8kv. +draft:
+speculative decoding (volundr.speculative) with a random drafter of the preset's drafter sizes
+(volundr-draft; random: few guesses right, the machinery's cost), +draftself with the model itself
+as drafter (every guess right: the upper bound), +mtp with the model's MTP head (one guess a step);
++kN guesses per step (default 4); the rows then carry the engine's spec_steps, spec_seqs and
+spec_tokens (tokens per sequence and step: spec_tokens / spec_seqs). A variant that fails is
+recorded with its error; the JSON is rewritten after every variant.
 --session-lens L1,L2: an agent's next turn after L tokens, resumed from its parked session
 (volundr.session) against from scratch (session_turn), e.g. --max-model-len 65536 --session-lens
 8192,54000 for the product page's 54K-token turn. --long-lens L: single-stream decode after an

@@ -266,7 +266,7 @@ def test_cuda_rows_residual_epilogue_and_rscale(bits):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_engine_rows_path(monkeypatch):
     """VOLUNDR_I8_ROWS=8: the engine's 2-8-row matmuls (plain and with the MLP's SwiGLU) take
-    gemv_i8_rows, == the naive reference; 9 rows stay on gemm_tc. VOLUNDR_I8_ROWS_CHUNKED=48:
+    gemv_i8_rows, == the naive reference; 9 rows stay on gemm_tc. I8_ROWS_CHUNKED=48 (the default):
     20 and 33 rows as 16-row calls."""
     from volundr.kernels.quant import engine as qe
 
@@ -288,7 +288,7 @@ def test_cuda_engine_rows_path(monkeypatch):
             ref = naive_quant_matmul(xs.to(torch.bfloat16).float(), *layer, bits, 128, k)
             assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
     assert calls == [2, 2, 8, 8] * 3
-    # VOLUNDR_I8_ROWS_CHUNKED=48: 17-48 rows as calls of 16 (the last one the rest)
+    # I8_ROWS_CHUNKED=48: 17-48 rows as calls of 16 (the last one the rest)
     monkeypatch.setattr(qe, "I8_ROWS", 16)
     monkeypatch.setattr(qe, "I8_ROWS_CHUNKED", 48)
     calls.clear()

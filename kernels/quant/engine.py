@@ -88,13 +88,16 @@ I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "16"))
 # RESIDUAL_NORM_FOLD does at M = 1 (the output projection's epilogue writes h, h w and per-row
 # tile sums of h^2; the next input projection scales each row by its 1 / rms): ~140 norm
 # launches per decode step less at batch 2-16 (batch 16, H100 run 120: 151 norm launches, 0.35 ms
-# of an eager step). Built, not yet run on a GPU: opt-in, VOLUNDR_I8_ROWS_FOLD=1.
+# of an eager step). Right on CUDA but no faster (H100 run 123, graph ms: batch 2 -1.3%, 8 -0.4%,
+# 16 +3.4%): opt-in, VOLUNDR_I8_ROWS_FOLD=1.
 ROWS_FOLD = os.environ.get("VOLUNDR_I8_ROWS_FOLD", "0") == "1"
 # 17 up to this many rows on gemv_i8_rows in calls of 16 rows (each reads the weights again)
 # instead of the 64-row tensor-core tiles (quant_matmul_triton): a speculative check of 4-8
 # sequences (20-40 rows at 4 guesses), decode batches above 16. By the kernels' times (runs
 # 116/121: 16 rows 27-54 us at Volundr-32B's shapes; the tiles ~100-130 us at 64 rows, H200
-# run 11) ~2x faster up to 32 rows; not yet measured: opt-in, VOLUNDR_I8_ROWS_CHUNKED=48.
+# run 11) ~2x faster up to 32 rows; measured (H100 run 124): speculative checks of 4 / 8
+# sequences (20 / 40 rows) 69.4 -> 26.6 and 62.6 -> 38.2 ms a step. VOLUNDR_I8_ROWS_CHUNKED=0
+# turns it off.
 I8_ROWS_CHUNKED = int(os.environ.get("VOLUNDR_I8_ROWS_CHUNKED", "48"))
 PREFILL_CONFIG = dict(bn=128, num_warps=4, waves=1.0)  # block_m 64
 # The layer's residual add + RMSNorm folded into the next tensor-core GEMV (M = 1): 142 norm
