@@ -116,6 +116,17 @@ def test_rows_wrong_feed_is_caught():
         assert emulated_rows_error(bits, 4, 0, wrong) > 0
 
 
+def test_rows_config_takes_only_supported_tiles():
+    """The engine's config per rows and bits is one gemv_i8_rows takes at Volundr-32B's shapes;
+    4-bit up to 4 rows prefetches 2 groups a trip, so an odd group count keeps 1 a trip."""
+    x = torch.zeros(1, 17408, dtype=torch.bfloat16)
+    for bits, m, n, k in ((4, 2, 17408, 5120), (4, 4, 5120, 17408), (4, 8, 17408, 5120),
+                          (2, 8, 17408, 5120), (3, 16, 34816, 5120), (4, 3, 5120, 640)):
+        kw = gr.config(bits, m, n, k)
+        assert gr.supported(x[:, :k].expand(m, k), bits, 128, n, k, kw["reps"], kw["unroll"])
+        assert kw.get("prefetch", False) == (bits == 4 and m <= 4 and k != 640), (bits, m, k)
+
+
 def check_rows_digits(device: str) -> None:
     from volundr.kernels.quant.digits import x_digits
 

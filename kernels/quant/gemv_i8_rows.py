@@ -50,13 +50,13 @@ SHAPE_CONFIG = {(34816, 5120, 3): dict(reps=4, waves=8.0, unroll=1),
                 (34816, 5120, 2): dict(reps=4, waves=8.0, unroll=1)}
 # 4-bit up to 4 rows, each trip's words loaded during the one before (H100 runs 126-127 at
 # 15680x5120, 5120x17408 and 17408x5120, 2 and 4 rows: 19.1-22.6 vs FEW's 20.7-25.5 us; at 8
-# rows within 2% of MANY, at 2 and 3 bits no better)
+# rows within 2% of MANY, at 2 and 3 bits no better); 2 groups a trip: K / 128 even
 FEW4 = dict(reps=2, waves=8.0, unroll=2, prefetch=True)
 
 
 def config(bits: int, m: int, n: int = 0, k: int = 0) -> dict:
     """gemv_i8_rows's keyword arguments for m rows of x at `bits` against an N x K weight."""
-    if m <= 4 and bits == 4:
+    if m <= 4 and bits == 4 and k % (FEW4["unroll"] * 128) == 0:
         return dict(FEW4)
     if m <= 4 or (bits == 2 and m <= 8):
         return dict(FEW)

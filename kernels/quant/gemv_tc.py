@@ -351,7 +351,7 @@ def _residual_epilogue(y, n3, ymask, r_ptr, nw_ptr, xs_ptr, ss_ptr, pid_n,
     """RES, on a tile's final sums y [Q, L, 4] (rows n3): h = y rounded to x's dtype plus the
     residual r, rounded again (the unfolded path's bf16 output, then the norm kernel's add);
     x' = h w into xs (the next GEMV's x) and this tile's sum of h^2 into ss[pid_n] (the next
-    GEMV adds the tiles' sums in a fixed order: no atomics, no zeroing). Returns h."""
+    GEMV adds the tiles' sums in a fixed order: no atomics, no zeroing). Returns h (fp32)."""
     r = _ld(r_ptr + n3, ymask, True, CG)
     w = tl.load(nw_ptr + n3, mask=ymask, other=0.0)
     hf, xs = residual_h(y, r, w, xs_ptr)
