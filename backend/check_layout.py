@@ -67,3 +67,21 @@ def check_batch(lay: dict[str, list], L: int, max_order: int,
         block_tables=table, context_lens=ctx, max_q_len=L, max_context_len=max(lay["ctx"]),
         ngram_ids=ngram_ids.view(T, max_order), logits_indices=rows_cu[:T].long(),
         rows=(rows_cu, table, ctx))
+
+
+# ---- on the device: a greedy step's acceptance and its commit's layout, without a read back --
+def greedy_lengths(a: torch.Tensor, toks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """speculative.greedy_kept's lengths for n sequences at once: a [n, L] the model's argmax
+    after each row, toks [n, L] each row's token (t_0, d_1, ..), q [n] the rows checked (0: a
+    padding sequence). Returns [n]: 1 + the leading guesses d_j == a_{j-1} (j < q), 0 where
+    q == 0."""
+    j = torch.arange(1, a.shape[1], device=a.device)
+    match = (a[:, :-1] == toks[:, 1:]) & (j < q[:, None])
+    return torch.where(q > 0, 1 + match.long().cumprod(1).sum(1), 0)
+
+
+def kept_cu(lens: torch.Tensor, L: int) -> torch.Tensor:
+    """check_layout's cu [2n + 1] for sequence i's first lens[i] rows (a commit's, or the MTP
+    block's over the kept rows; lens 0: a padding sequence, its gap over all L rows)."""
+    base = torch.arange(lens.shape[0], device=lens.device) * L
+    return torch.cat([lens.new_zeros(1), torch.stack([base + lens, base + L], 1).flatten()])

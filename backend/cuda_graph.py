@@ -272,6 +272,40 @@ class CheckGraphs:
         g.replay()
         return guesses[:n].tolist()
 
+    @torch.inference_mode()
+    def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs
+                       ) -> tuple[list[list[int]], list[int], list[int]]:
+        """A speculate_mtp step of greedy sequences replayed back to back with one read back:
+        the check of a layout, the acceptance on the device (check_layout.greedy_lengths), the
+        commit of the kept rows, the MTP block over them (`mtp`: the MTP graphs, whose buffers
+        take this layout's rows masked to the kept ones). Returns each sequence's argmax rows
+        [L], kept lengths and MTP guess."""
+        from volundr.check_layout import greedy_lengths, kept_cu
+
+        n, L = len(lay["slots"]) // 2, self.L
+        size = self._fill(lay)
+        Tn = size * L
+        g, gc, logits, _, hidden = self.graphs[size]
+        g.replay()
+        a = logits[:Tn].argmax(dim=-1).view(size, L)
+        toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's n-gram window ends in its token)
+        lens = greedy_lengths(a, toks, self.cu[1:2 * size:2] - self.cu[0:2 * size:2])
+        cu = kept_cu(lens, L)
+        self.cu_commit[:2 * size + 1] = cu
+        gc.replay()
+        live = (torch.arange(L, device=self.device) < lens[:, None]).flatten()
+        mtp.cu[:2 * size + 1] = cu
+        mtp.slot_mapping[:Tn] = torch.where(live, self.slot_mapping[:Tn], -1)
+        mtp.ctx[:Tn] = torch.where(live, self.ctx[:Tn], 1)
+        mtp.seq_tables[:size] = self.seq_tables[:size]
+        mtp.mtp_hidden[:Tn] = hidden[:Tn]
+        mtp.mtp_ids[:Tn] = a.flatten()  # row j is followed by the kept token j
+        mtp.mtp_last[:size] = (cu[1::2][:size] - 1).clamp(min=0)
+        mg, _, guesses, _, _ = mtp.graphs[size]
+        mg.replay()
+        out = torch.cat([a[:n].flatten(), lens[:n], guesses[:n]]).tolist()
+        return [out[i * L:(i + 1) * L] for i in range(n)], out[n * L:n * L + n], out[n * L + n:]
+
     def _fill(self, lay: dict[str, list]) -> int:
         """The static buffers of a layout's graph; returns its size (sequences)."""
         n = len(lay["slots"]) // 2

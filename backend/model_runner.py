@@ -426,6 +426,18 @@ class ModelRunner:
         last = torch.tensor(b.cu_list[1:], device=h.device) - 1
         return self.model.compute_logits(h[last]).argmax(dim=-1).tolist()
 
+    def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int
+                         ) -> tuple[list[list[int]], list[int], list[int]] | None:
+        """`check`, `commit` of the greedy kept tokens and `mtp` over them as one replay of
+        graphs (CheckGraphs.run_greedy_mtp: each item's argmax rows, kept lengths, MTP guess);
+        None where the graphs do not take the batch."""
+        c, m = self.checks, self.mtp_graphs
+        if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
+            return None
+        self._init_states(batch)
+        self.last_hidden = None
+        return c.run_greedy_mtp(self.check_layout(batch, L), m)
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         """One forward over the batch; returns a sampled token for each item that samples."""

@@ -183,12 +183,25 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
     """One speculative step with the MTP head's drafts (module doc; k = 1, L >= 2) over `batch`
     (decoding sequences as `speculate` takes them, KV blocks grown for 2 positions). Returns
     each sequence's counted tokens; the states then hold t_0 and the counted tokens but the
-    last, and seq.mtp_draft the guess for the next step."""
+    last (where fewer count than were kept the sequence ends: on the graphs' one-replay path
+    its states took in the kept ones), and seq.mtp_draft the guess for the next step."""
     seqs = [it.seq for it in batch]
     drafts = [[] if s.mtp_draft is None else [s.mtp_draft] for s in seqs]
     q = [1 + len(d) for d in drafts]
+    items = [ScheduledSeq(s, n) for s, n in zip(seqs, q)]
+    # Greedy sequences outside sessions (whose parked state must end at a stop token: the
+    # graphs commit every kept token) take one replay of the graphs and one read back.
+    if all(s.params.greedy and s.session_id is None for s in seqs):
+        with _appended(seqs, drafts):
+            fused = target.check_greedy_mtp(items, L)
+        if fused is not None:
+            out = []
+            for s, a, m, guess in zip(seqs, *fused):
+                out.append(a[:m][:counted(s, a[:m])])
+                s.mtp_draft = guess
+            return out
     with _appended(seqs, drafts):
-        logits = target.check([ScheduledSeq(s, n) for s, n in zip(seqs, q)], L)
+        logits = target.check(items, L)
     hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on
     greedy = logits.argmax(dim=-1).tolist()
     out = []

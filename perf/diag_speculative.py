@@ -2,8 +2,9 @@
 
     python3 perf/diag_speculative.py --variant mixed@8+draft --out $OUT/spec_phases.json
     python3 perf/diag_speculative.py --variant mixed@8+mtp      # the MTP head's drafts
-    python3 perf/diag_speculative.py --variant mixed@8+mtpeager # its block not in graphs
-    python3 perf/diag_speculative.py --variant mixed@8+mtpright # its guesses all right
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+eager   # its block not in graphs
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+right   # its guesses all right
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+right+host  # the host's calls
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
@@ -37,9 +38,9 @@ def _timed(totals: dict, name: str, fn):
 
 
 def right_guesses(e, tokens: int) -> None:
-    """Decodes decode_rate's request of `tokens` once (its greedy ids kept), then makes the
-    runner's MTP block return the right guess for it: the id after the one its last row is
-    followed by."""
+    """Decodes decode_rate's request of `tokens` once (its greedy ids kept), then sets each
+    sequence's MTP draft to the right one before every step (the id after its last token):
+    the block still runs, its guesses are replaced."""
     ids: list[int] = []
     step = e.step
 
@@ -50,15 +51,15 @@ def right_guesses(e, tokens: int) -> None:
 
     e.step = collect
     decode_rate(e, 1, 128, tokens)
-    e.step = step
-    real = e.runner.mtp
 
-    def mtp(batch, hidden, next_ids):
-        got = real(batch, hidden, next_ids)
-        at = [len(it.seq.token_ids) + 1 - it.seq.num_prompt_tokens for it in batch]
-        return [ids[i] if 0 <= i < len(ids) else g for i, g in zip(at, got)]
+    def right():
+        for s in e.requests.values():
+            i = len(s.token_ids) - s.num_prompt_tokens
+            if s.mtp_draft is not None and i < len(ids):
+                s.mtp_draft = ids[i]
+        return step()
 
-    e.runner.mtp = mtp
+    e.step = right
 
 
 def main() -> None:
@@ -70,25 +71,30 @@ def main() -> None:
     args = ap.parse_args()
     base, *sfx = args.variant.split("+")
     variant, _, steps = base.partition("@")
-    # +mtpeager: the MTP block without its graphs; +mtpright: its guesses replaced by the right
-    # ones (the block still runs; plain greedy's ids from an untimed first run): the upper bound
-    mtp = bool({"mtp", "mtpeager", "mtpright"} & set(sfx))
+    # with +mtp: +eager = the MTP block without its graphs; +right = its guesses replaced by the
+    # right ones (plain greedy's ids from an untimed first run): the upper bound; +host = the
+    # greedy step as the host's check / commit / mtp calls, not one replay with the acceptance
+    # on the device (ModelRunner.check_greedy_mtp). +mtpeager, +mtpright: +mtp+eager, +mtp+right
+    flags = {f for x in sfx for f in ("eager", "right", "host") if x in (f, "mtp" + f)}
+    mtp = any(x[:3] == "mtp" for x in sfx)
     draft = "self" if "draftself" in sfx else "mtp" if mtp else "random"
     k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), 4)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     e = build(variant, True, 1, args.preset, dev, None, int(steps or 1), 4096, 1, "auto",
               draft=draft, spec_k=k)
-    if "mtpeager" in sfx:
+    if "eager" in flags:
         e.runner.mtp_graphs = None
+    if "host" in flags:
+        e.runner.check_greedy_mtp = lambda *a: None
     decode_rate(e, 1, 128, 8)  # warm-up (the drafter's prefill at the timed prompt's length too)
-    if "mtpright" in sfx:
+    if "right" in flags:
         right_guesses(e, args.tokens)
     before = e.stats()
     clean = decode_rate(e, 1, 128, args.tokens)  # no timers (their syncs cost)
     spec_stats = {k: v - before[k] for k, v in e.stats().items() if k.startswith("spec_")}
     totals: dict[str, list[float]] = defaultdict(list)
     t_runner, d_runner = e.runner, e.drafter
-    for obj, names in ((t_runner, ("check", "commit", "mtp")),
+    for obj, names in ((t_runner, ("check", "commit", "mtp", "check_greedy_mtp")),
                        (d_runner, ("check", "commit", "run_decode_steps", "save_states",
                                    "load_states", "run"))):
         if obj is None:  # the MTP head drafts: no drafter

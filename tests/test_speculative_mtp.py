@@ -162,19 +162,87 @@ def test_mtp_sampled_requests_run(models):
     assert len(got["s0"]) == 16 and len(got["g0"]) == 16 and e.stats()["spec_steps"] > 0
 
 
+def test_device_acceptance_matches_the_host_lists():
+    """check_layout.greedy_lengths == greedy_kept's lengths on random argmax rows and guesses
+    (mostly right, so that every length occurs), padding sequences 0; kept_cu == check_layout's
+    cu for those lengths with the padding's gaps (CheckGraphs._padded_cu)."""
+    from volundr.check_layout import check_layout, greedy_lengths, kept_cu
+    from volundr.speculative import greedy_kept
+
+    gen = torch.Generator().manual_seed(2)
+    for L in (2, 5):
+        n, size = 7, 8
+        a = torch.randint(0, 3, (size, L), generator=gen)
+        toks = torch.where(torch.rand(size, L, generator=gen) < 0.7,
+                           torch.cat([a[:, :1], a[:, :-1]], 1), a.roll(1, 1) + 1)
+        q = torch.randint(1, L + 1, (size,), generator=gen)
+        q[n:] = 0
+        lens = greedy_lengths(a, toks, q)
+        want = [len(greedy_kept(a[i].tolist(), toks[i, 1:q[i]].tolist())) for i in range(n)]
+        assert lens.tolist() == want + [0] * (size - n), L
+        seqs = []
+        for i in range(n):
+            s = Sequence(f"s{i}", list(range(10)), SamplingParams())
+            s.num_computed_tokens, s.slot, s.block_table = 10 - L, i, [i]
+            seqs.append(ScheduledSeq(s, L))
+        lay = check_layout(seqs, L, 16, 3, 0, lengths=lens[:n].tolist())
+        pad = [x for i in range(n, size) for x in (i * L, (i + 1) * L)]
+        assert kept_cu(lens, L).tolist() == lay["cu"] + pad, L
+
+
 @CUDA
 def test_cuda_mtp_greedy_output_is_unchanged(models):
     """On CUDA (bf16; decode, the checks and the MTP block in CUDA graphs, the checks' hidden
-    states read from the graphs): plain greedy's tokens, with right guesses fewer
-    steps."""
+    states read from the graphs; greedy steps as one replay with the acceptance on the device,
+    ModelRunner.check_greedy_mtp): plain greedy's tokens."""
     ps = prompts(2)
     reqs = [(f"r{i}", p, greedy(32, ignore_eos=True)) for i, p in enumerate(ps)]
     want, _, _ = run(engine(models, device="cuda"), reqs)
     e = mtp_engine(models, device="cuda")
     assert e.runner.checks is not None  # (the checks as graphs)
+    fused, real = [], e.runner.check_greedy_mtp
+    e.runner.check_greedy_mtp = lambda *a: fused.append(real(*a)) or fused[-1]
     got, _, _ = run(e, reqs)
     # bf16: the two-row check and the one-token decode may round a late near-tie apart
     assert all(got[r][:8] == want[r][:8] for r in want) and e.stats()["spec_steps"] > 0
+    assert fused and all(f is not None for f in fused)
+
+
+@CUDA
+@pytest.mark.parametrize("right", [False, True])
+def test_cuda_fused_greedy_step_equals_the_host_steps(models, right):
+    """The one-replay greedy step (acceptance, commit and MTP layout on the device) gives what
+    the host's check / commit / mtp calls over the same graphs give: the same tokens, the same
+    kept counts, the same drafts every step (bit-identical inputs to the same kernels); with
+    the block's own guesses and with right ones set before each step (two kept rows)."""
+    ps = prompts(3, seed=9)
+    reqs = [(f"r{i}", p, greedy(24, ignore_eos=True)) for i, p in enumerate(ps)]
+    want, _, _ = run(engine(models, device="cuda"), reqs)
+    full = {r: p + want[r] for r, p, _ in reqs}
+    runs = []
+    for fused in (True, False):
+        e = mtp_engine(models, device="cuda")
+        if not fused:
+            e.runner.check_greedy_mtp = lambda *a: None
+        drafts = []
+        step = e.step
+
+        def stepped(step=step, e=e, drafts=drafts):
+            for s in e.requests.values():
+                n = len(s.token_ids)
+                if right and s.mtp_draft is not None and n < len(full[s.request_id]):
+                    s.mtp_draft = full[s.request_id][n]
+            outs = step()
+            drafts.append(sorted((s.request_id, s.mtp_draft) for s in e.requests.values()))
+            return outs
+
+        e.step = stepped
+        got, _, steps = run(e, reqs)
+        st = e.stats()
+        runs.append((got, steps, st["spec_tokens"], st["spec_seqs"], drafts))
+    assert runs[0] == runs[1]
+    if right:  # tokens per sequence and step (bf16 near-ties aside, most guesses kept)
+        assert runs[0][2] >= 1.5 * runs[0][3], runs[0][1:4]
 
 
 @CUDA
