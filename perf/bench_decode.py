@@ -19,7 +19,8 @@ with it x's digits written by the residual epilogues or made by a launch before 
 (engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for those rows), +rowsfold /
 +norowsfold = with it the residual add + next RMSNorm per row in its epilogue and the next one's
 scale (engine.ROWS_FOLD, opt-in), +i8chunkN = 17..N rows as 16-row gemv_i8_rows calls
-(engine.I8_ROWS_CHUNKED: 48 by default, +i8chunk0 off; --max-num-seqs 32 --batches 32); +fold = the
+(engine.I8_ROWS_CHUNKED: 48 by default, +i8chunk0 off; --max-num-seqs 32 --batches 32); +nopf4 =
+gemv_i8_rows at 4 bits up to 4 rows without its prefetch (gemv_i8_rows.FEW4 = FEW); +fold = the
 residual add + RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated
 output norm folded into its o_proj GEMV or not (engine.GATED_NORM_FOLD), +rfold / +norfold = the
 residual add + next RMSNorm in the output projections' GEMV epilogue and the norm's scale in the
@@ -515,7 +516,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     import volundr.kernels.kda.engine as kengine
     import volundr.kernels.quant.engine as qengine
     from volundr.kernels import pdl
-    from volundr.kernels.quant import gemv_i8
+    from volundr.kernels.quant import gemv_i8, gemv_i8_rows
 
     cuda = dev.type == "cuda"
     spec_main, *suffixes = spec.split("+")
@@ -534,7 +535,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
                 qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
-                qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED)
+                qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -550,6 +551,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             qengine.DIGITS_EPILOGUE = sfx == "dig"
         elif sfx[:7] == "i8chunk" and sfx[7:].isdigit():  # 17-N rows as 16-row calls
             qengine.I8_ROWS_CHUNKED = int(sfx[7:])
+        elif sfx == "nopf4":  # gemv_i8_rows at 4 bits up to 4 rows without the prefetch
+            gemv_i8_rows.FEW4 = dict(gemv_i8_rows.FEW)
         elif sfx in ("rowsfold", "norowsfold"):  # the residual norm per row on gemv_i8_rows
             qengine.ROWS_FOLD = sfx == "rowsfold"
         elif sfx[:6] == "i8rows" and sfx[6:].isdigit():  # gemv_i8_rows up to N rows
@@ -595,8 +598,8 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, i8late, i8top, i8rowsN, i8chunkN, rowsfold, norowsfold, "
-                             "early, noearly, "
+                             "dig, nodig, i8late, i8top, i8rowsN, i8chunkN, nopf4, rowsfold, "
+                             "norowsfold, early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
                              "fp8kv, draft, draftself, mtp, kN)")
     try:
@@ -612,7 +615,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
          qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
-         qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED) = defaults
+         qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
