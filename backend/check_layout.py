@@ -80,6 +80,17 @@ def greedy_lengths(a: torch.Tensor, toks: torch.Tensor, q: torch.Tensor) -> torc
     return torch.where(q > 0, 1 + match.long().cumprod(1).sum(1), 0)
 
 
+def counted_lengths(a: torch.Tensor, lens: torch.Tensor, caps: torch.Tensor,
+                    stops: torch.Tensor) -> torch.Tensor:
+    """The engine's stop and length rules (LLMEngine._counted) on the device: of sequence i's
+    lens[i] kept tokens a[i, :lens[i]] ([n, L]), those up to and including the first of its stop
+    ids (stops [n, S], padded with -1) and at most caps[i] [n]."""
+    L = a.shape[1]
+    hit = (a[:, :, None] == stops[:, None, :]).any(-1)
+    first = torch.where(hit, torch.arange(1, L + 1, device=a.device), L).amin(1)
+    return torch.minimum(torch.minimum(lens, first), caps)
+
+
 def kept_cu(lens: torch.Tensor, L: int) -> torch.Tensor:
     """check_layout's cu [2n + 1] for sequence i's first lens[i] rows (a commit's, or the MTP
     block's over the kept rows; lens 0: a padding sequence, its gap over all L rows)."""

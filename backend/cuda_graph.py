@@ -273,23 +273,30 @@ class CheckGraphs:
         return guesses[:n].tolist()
 
     @torch.inference_mode()
-    def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs
+    def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
+                       stops: list[tuple[int, ...]]
                        ) -> tuple[list[list[int]], list[int], list[int]]:
         """A speculate_mtp step of greedy sequences replayed back to back with one read back:
-        the check of a layout, the acceptance on the device (check_layout.greedy_lengths), the
-        commit of the kept rows, the MTP block over them (`mtp`: the MTP graphs, whose buffers
-        take this layout's rows masked to the kept ones). Returns each sequence's argmax rows
-        [L], kept lengths and MTP guess."""
-        from volundr.check_layout import greedy_lengths, kept_cu
+        the check of a layout, the acceptance on the device (check_layout.greedy_lengths, then
+        counted_lengths with each sequence's length cap and stop ids), the commit of the counted
+        rows, the MTP block over them (`mtp`: the MTP graphs, whose buffers take this layout's
+        rows masked to the counted ones). Returns each sequence's argmax rows [L], counted
+        lengths and MTP guess."""
+        from volundr.check_layout import counted_lengths, greedy_lengths, kept_cu
 
         n, L = len(lay["slots"]) // 2, self.L
         size = self._fill(lay)
-        Tn = size * L
+        Tn, S = size * L, max(1, *map(len, stops))
+        pad = [-1] * S  # (padding sequences: cap 0, no stop ids)
+        lim = (caps + [0] * (size - n) + [i for t in stops for i in (list(t) + pad)[:S]]
+               + pad * (size - n))
+        lim = torch.tensor(lim).pin_memory().to(self.device, non_blocking=True)
         g, gc, logits, _, hidden = self.graphs[size]
         g.replay()
         a = logits[:Tn].argmax(dim=-1).view(size, L)
         toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's n-gram window ends in its token)
         lens = greedy_lengths(a, toks, self.cu[1:2 * size:2] - self.cu[0:2 * size:2])
+        lens = counted_lengths(a, lens, lim[:size], lim[size:].view(size, S))
         cu = kept_cu(lens, L)
         self.cu_commit[:2 * size + 1] = cu
         gc.replay()

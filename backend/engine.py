@@ -239,7 +239,8 @@ class LLMEngine:
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
             if self.mtp:
-                tokens = speculate_mtp(self.runner, spec, self.check_len, self._counted)
+                tokens = speculate_mtp(self.runner, spec, self.check_len, self._counted,
+                                       self._limits)
             else:
                 tokens = speculate(self.runner, self.drafter, spec, k, self.check_len,
                                    self.ecfg.max_num_batched_tokens, self._counted)
@@ -337,9 +338,16 @@ class LLMEngine:
             return "length"
         return None
 
+    def _limits(self, seq: Sequence) -> tuple[int, tuple[int, ...]]:
+        """`_end_reason`'s rules for tokens appended to seq: (how many it may take before the
+        last one ends it by length, the ids that stop it)."""
+        return (min(seq.params.max_tokens - seq.num_output_tokens,
+                    self.ecfg.max_model_len - seq.num_tokens), self._stop_ids(seq))
+
     def _counted(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of `tokens`, appended to seq one by one, it takes (`_end_reason`)."""
-        return next((j + 1 for j, t in enumerate(tokens) if self._end_reason(seq, t, j + 1)),
+        cap, stops = self._limits(seq)
+        return next((j + 1 for j, t in enumerate(tokens) if t in stops or j + 1 >= cap),
                     len(tokens))
 
     def _postprocess_steps(self, batch: list[ScheduledSeq],

@@ -426,17 +426,19 @@ class ModelRunner:
         last = torch.tensor(b.cu_list[1:], device=h.device) - 1
         return self.model.compute_logits(h[last]).argmax(dim=-1).tolist()
 
-    def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int
+    def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int, caps: list[int],
+                         stops: list[tuple[int, ...]]
                          ) -> tuple[list[list[int]], list[int], list[int]] | None:
-        """`check`, `commit` of the greedy kept tokens and `mtp` over them as one replay of
-        graphs (CheckGraphs.run_greedy_mtp: each item's argmax rows, kept lengths, MTP guess);
-        None where the graphs do not take the batch."""
+        """`check`, `commit` of the greedy kept tokens that count (caps[i] at most, up to the
+        first of stops[i]) and `mtp` over them as one replay of graphs
+        (CheckGraphs.run_greedy_mtp: each item's argmax rows, counted lengths, MTP guess); None
+        where the graphs do not take the batch."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
             return None
         self._init_states(batch)
         self.last_hidden = None
-        return c.run_greedy_mtp(self.check_layout(batch, L), m)
+        return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -179,27 +179,27 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
 
 
 def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
-                  counted: Callable[[Sequence, list[int]], int]) -> list[list[int]]:
+                  counted: Callable[[Sequence, list[int]], int],
+                  limits: Callable[[Sequence], tuple[int, tuple[int, ...]]] | None = None
+                  ) -> list[list[int]]:
     """One speculative step with the MTP head's drafts (module doc; k = 1, L >= 2) over `batch`
     (decoding sequences as `speculate` takes them, KV blocks grown for 2 positions). Returns
     each sequence's counted tokens; the states then hold t_0 and the counted tokens but the
-    last (where fewer count than were kept the sequence ends: on the graphs' one-replay path
-    its states took in the kept ones), and seq.mtp_draft the guess for the next step."""
+    last, and seq.mtp_draft the guess for the next step. limits(seq) -> (the most tokens it
+    may still take, its stop ids), `counted`'s rules as data: with it, all-greedy batches take
+    the graphs' one replay (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
     seqs = [it.seq for it in batch]
     drafts = [[] if s.mtp_draft is None else [s.mtp_draft] for s in seqs]
     q = [1 + len(d) for d in drafts]
     items = [ScheduledSeq(s, n) for s, n in zip(seqs, q)]
-    # Greedy sequences outside sessions (whose parked state must end at a stop token: the
-    # graphs commit every kept token) take one replay of the graphs and one read back.
-    if all(s.params.greedy and s.session_id is None for s in seqs):
+    if limits is not None and all(s.params.greedy for s in seqs):
+        caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
-            fused = target.check_greedy_mtp(items, L)
+            fused = target.check_greedy_mtp(items, L, list(caps), list(stops))
         if fused is not None:
-            out = []
-            for s, a, m, guess in zip(seqs, *fused):
-                out.append(a[:m][:counted(s, a[:m])])
+            for s, guess in zip(seqs, fused[2]):
                 s.mtp_draft = guess
-            return out
+            return [a[:m] for a, m in zip(fused[0], fused[1])]
     with _appended(seqs, drafts):
         logits = target.check(items, L)
     hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on

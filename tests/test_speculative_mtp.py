@@ -164,9 +164,10 @@ def test_mtp_sampled_requests_run(models):
 
 def test_device_acceptance_matches_the_host_lists():
     """check_layout.greedy_lengths == greedy_kept's lengths on random argmax rows and guesses
-    (mostly right, so that every length occurs), padding sequences 0; kept_cu == check_layout's
-    cu for those lengths with the padding's gaps (CheckGraphs._padded_cu)."""
-    from volundr.check_layout import check_layout, greedy_lengths, kept_cu
+    (mostly right, so that every length occurs), padding sequences 0; counted_lengths == the
+    engine's rule (LLMEngine._counted: up to the first stop id, at most the cap); kept_cu ==
+    check_layout's cu for those lengths with the padding's gaps (CheckGraphs._padded_cu)."""
+    from volundr.check_layout import check_layout, counted_lengths, greedy_lengths, kept_cu
     from volundr.speculative import greedy_kept
 
     gen = torch.Generator().manual_seed(2)
@@ -180,6 +181,13 @@ def test_device_acceptance_matches_the_host_lists():
         lens = greedy_lengths(a, toks, q)
         want = [len(greedy_kept(a[i].tolist(), toks[i, 1:q[i]].tolist())) for i in range(n)]
         assert lens.tolist() == want + [0] * (size - n), L
+        caps = torch.randint(1, L + 2, (size,), generator=gen)
+        stops = torch.randint(-1, 3, (size, 2), generator=gen)
+        got = counted_lengths(a, lens, caps, stops).tolist()
+        for i in range(size):
+            toks, cap, st = a[i, :lens[i]].tolist(), int(caps[i]), stops[i].tolist()
+            ref = next((j + 1 for j, t in enumerate(toks) if t in st or j + 1 >= cap), len(toks))
+            assert got[i] == ref, (L, i)
         seqs = []
         for i in range(n):
             s = Sequence(f"s{i}", list(range(10)), SamplingParams())
@@ -214,10 +222,12 @@ def test_cuda_fused_greedy_step_equals_the_host_steps(models, right):
     """The one-replay greedy step (acceptance, commit and MTP layout on the device) gives what
     the host's check / commit / mtp calls over the same graphs give: the same tokens, the same
     kept counts, the same drafts every step (bit-identical inputs to the same kernels); with
-    the block's own guesses and with right ones set before each step (two kept rows)."""
+    the block's own guesses and with right ones set before each step (two kept rows); one
+    request ends at a stop token, the others at max_tokens (the counting on the device)."""
     ps = prompts(3, seed=9)
-    reqs = [(f"r{i}", p, greedy(24, ignore_eos=True)) for i, p in enumerate(ps)]
+    reqs = [(f"r{i}", p, greedy(24 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
     want, _, _ = run(engine(models, device="cuda"), reqs)
+    reqs[1] = ("r1", ps[1], greedy(21, stop_token_ids=(want["r1"][9],)))
     full = {r: p + want[r] for r, p, _ in reqs}
     runs = []
     for fused in (True, False):
@@ -237,10 +247,10 @@ def test_cuda_fused_greedy_step_equals_the_host_steps(models, right):
             return outs
 
         e.step = stepped
-        got, _, steps = run(e, reqs)
+        got, reasons, steps = run(e, reqs)
         st = e.stats()
-        runs.append((got, steps, st["spec_tokens"], st["spec_seqs"], drafts))
-    assert runs[0] == runs[1]
+        runs.append((got, steps, st["spec_tokens"], st["spec_seqs"], drafts, reasons))
+    assert runs[0] == runs[1] and runs[0][5]["r1"] == "stop"
     if right:  # tokens per sequence and step (bf16 near-ties aside, most guesses kept)
         assert runs[0][2] >= 1.5 * runs[0][3], runs[0][1:4]
 
