@@ -341,8 +341,8 @@ class LLMEngine:
     def _limits(self, seq: Sequence) -> tuple[int, tuple[int, ...]]:
         """`_end_reason`'s rules for tokens appended to seq: (how many it may take before the
         last one ends it by length, the ids that stop it)."""
-        return (min(seq.params.max_tokens - seq.num_output_tokens,
-                    self.ecfg.max_model_len - seq.num_tokens), self._stop_ids(seq))
+        return (max(1, min(seq.params.max_tokens - seq.num_output_tokens,
+                           self.ecfg.max_model_len - seq.num_tokens)), self._stop_ids(seq))
 
     def _counted(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of `tokens`, appended to seq one by one, it takes (`_end_reason`)."""
