@@ -210,7 +210,41 @@ def plot_decode_attention_floor(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_speculative(out: Path) -> None:
+    """Speculative decoding on the H100 (runs 122-124): single-stream tok/s of plain decode and
+    of the MTP head's drafts (its block eager, in graphs, with every guess forced right), and
+    the ms per step of speculative checks of 4 and 8 sequences with their 20 / 40-row matmuls
+    on 64-row tiles or in 16-row gemv_i8_rows calls."""
+    res = HERE / "results"
+    ph = {v: json.loads((res / f"spec_phases_{v}_run122.json").read_text())
+          for v in ("mtp", "mtpeager", "mtpright")}
+    plain = 1e3 / ph["mtp"]["decode_graph_ms"]  # the same build's decode graph alone
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = ["plain decode\n(graph alone)", "MTP, block eager", "MTP, block in graphs",
+             "MTP, every guess\nright (upper bound)"]
+    vals = [plain] + [ph[v]["tok_per_s"] for v in ("mtpeager", "mtp", "mtpright")]
+    bars = a1.bar(names, vals, color=["gray", "C1", "C0", "C2"])
+    a1.bar_label(bars, fmt="%.0f")
+    a1.set_ylabel("tok/s, one stream (phase timers on)")
+    a1.set_title("Volundr-32B mixed, random weights: MTP drafts, H100 (run 122)")
+    a1.tick_params(axis="x", labelsize=8)
+    runs = json.loads((res / "decode_spec_chunk_run124.json").read_text())["runs"]
+    x = [0, 1]
+    for j, (r, label) in enumerate(zip(runs, ("64-row tiles", "16-row gemv_i8_rows calls"))):
+        ms = [r[f"batch{b}"]["ms_per_step"] for b in (4, 8)]
+        bars = a2.bar([i + 0.38 * j for i in x], ms, 0.38, label=label)
+        a2.bar_label(bars, fmt="%.1f")
+    a2.set_xticks([i + 0.19 for i in x], ["4 sequences (20 rows)", "8 sequences (40 rows)"])
+    a2.set_ylabel("ms per speculative step (4 guesses, random drafter)")
+    a2.set_title("Checks of 17-48 rows, H100 (run 124)")
+    a2.set_ylim(0, 85)
+    a2.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
+    plot_speculative(HERE / "speculative_h100.png")
     plot_rows(HERE / "gemv_rows_h100.png")
     plot_decode_attention_floor(HERE / "decode_attention_floor_h200.png")
     plot_prefill_attention(HERE / "prefill_attention_h200.png")
