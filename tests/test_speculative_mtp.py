@@ -6,7 +6,9 @@ sequence holds equals the MTP block's guess from a fresh forward over its whole 
 MTP KV kept right across prefill chunks, checks and rejected guesses); the context limit, a
 seeded request, preemption and multi-step decode leave the output alone; sampled requests run
 too; a checkpoint without an MTP block is refused; on CUDA the checks' graphs feed it and the
-block's own graphs guess as the eager block."""
+block's own graphs guess as the eager block. The graphs' paths (their buffers, the one-replay
+greedy step with its acceptance on the device) also run on the CPU, each "graph" rerunning its
+captured step (`eager_graphs`)."""
 
 from __future__ import annotations
 
@@ -99,11 +101,12 @@ def test_mtp_right_guesses_halve_the_steps(models, monkeypatch):
     assert st["spec_tokens"] >= 1.8 * st["spec_seqs"] and steps < 0.6 * plain_steps, (st, steps)
 
 
-@pytest.mark.parametrize("right", [False, True])
-def test_mtp_draft_equals_a_fresh_forward(models, monkeypatch, right):
+@pytest.mark.parametrize("right,graphs", [(False, False), (True, False), (False, True)])
+def test_mtp_draft_equals_a_fresh_forward(models, monkeypatch, right, graphs):
     """Mid-generation, each running sequence's latest MTP guess == reference_draft over its
     tokens: with the block's own guesses (mostly rejected: one kept row a step) and with right
-    ones (two rows a step), after prompts prefilled in chunks of 16 tokens."""
+    ones (two rows a step), after prompts prefilled in chunks of 16 tokens; and through the
+    graphs' paths (eager_graphs: the one-replay greedy step)."""
     ps = prompts(2, seed=6)
     reqs = [(f"r{i}", p, greedy(30, ignore_eos=True)) for i, p in enumerate(ps)]
     own = None
@@ -111,6 +114,8 @@ def test_mtp_draft_equals_a_fresh_forward(models, monkeypatch, right):
         want, _, _ = run(engine(models), reqs)
         own = oracle(monkeypatch, {r: p + want[r] for r, p, _ in reqs})
     e = mtp_engine(models, max_num_batched_tokens=16)
+    if graphs:
+        eager_graphs(monkeypatch, e)
     for rid, p, params in reqs:
         e.add_request(p, params, rid)
     for _ in range(9):
@@ -214,6 +219,92 @@ def test_cuda_mtp_greedy_output_is_unchanged(models):
     # bf16: the two-row check and the one-token decode may round a late near-tie apart
     assert all(got[r][:8] == want[r][:8] for r in want) and e.stats()["spec_steps"] > 0
     assert fused and all(f is not None for f in fused)
+
+
+class _Replay:
+    """A "graph" that re-runs its function (eager_graphs)."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def eager_graphs(monkeypatch, e: LLMEngine) -> None:
+    """The check, commit and MTP graphs on the CPU: CheckGraphs with every "capture" replaced
+    by a function that reruns the captured step and copies its results into the tensors the
+    capture returned, so that the graphs' buffer filling (`_fill`, `run_greedy_mtp`'s device
+    acceptance and masks) runs as on CUDA, in float32."""
+    from volundr.cuda_graph import CheckGraphs
+
+    def capture(self, n, b, bc):
+        logits, stash, hidden = self._check(b)
+
+        def check():
+            out, new, h = self._check(b)
+            if logits is not None:
+                logits.copy_(out)
+            hidden.copy_(h)
+            for (_, old_in), (_, new_in) in zip(stash, new):
+                for t, u in zip(old_in, new_in):
+                    t.copy_(u)
+
+        commit = None if self.mtp else _Replay(lambda: self._commit(stash, bc))
+        self.graphs[n] = (_Replay(check), commit, logits, stash, hidden)
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
+    monkeypatch.setattr(CheckGraphs, "_capture", capture)
+    r = e.runner
+    args = (r.model, r.device, e.check_len, 4, -(-r.max_model_len // r.block_size),
+            r.max_model_len, True)
+    r.checks = CheckGraphs(*args)
+    r.mtp_graphs = CheckGraphs(*args, mtp=torch.float32)
+    r.max_check_seqs = 4
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_graph_paths_on_the_cpu(models, monkeypatch, right):
+    """eager_graphs: the one-replay greedy step (device acceptance, counting, commit, MTP
+    masks) and the host's calls over the same "graphs" give plain greedy's tokens and finish
+    reasons and each other's drafts every step; with the block's own guesses and with right
+    ones set before each step; one request ends at a stop token, the others at max_tokens."""
+    ps = prompts(3, seed=9)
+    reqs = [(f"r{i}", p, greedy(20 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
+    want, _, _ = run(engine(models), reqs)
+    reqs[1] = ("r1", ps[1], greedy(17, stop_token_ids=(want["r1"][7],)))
+    want, want_reasons, _ = run(engine(models), reqs)
+    full = {r: p + want[r] for r, p, _ in reqs}
+    runs = []
+    for fused in (True, False):
+        e = mtp_engine(models)
+        eager_graphs(monkeypatch, e)
+        calls, real = [], e.runner.check_greedy_mtp
+
+        def counted_call(*a, calls=calls, real=real):
+            calls.append(real(*a))
+            return calls[-1]
+
+        e.runner.check_greedy_mtp = counted_call if fused else (lambda *a: None)
+        drafts, step = [], e.step
+
+        def stepped(step=step, e=e, drafts=drafts):
+            for s in e.requests.values():
+                n = len(s.token_ids)
+                if right and s.mtp_draft is not None and n < len(full[s.request_id]):
+                    s.mtp_draft = full[s.request_id][n]
+            outs = step()
+            drafts.append(sorted((s.request_id, s.mtp_draft) for s in e.requests.values()))
+            return outs
+
+        e.step = stepped
+        got, reasons, steps = run(e, reqs)
+        st = e.stats()
+        assert got == want and reasons == want_reasons and reasons["r1"] == "stop"
+        assert not fused or (calls and all(c is not None for c in calls))
+        assert st["num_slots_free"] == 4 and st["num_blocks_free"] == 80
+        runs.append((steps, st["spec_tokens"], st["spec_seqs"], drafts))
+    assert runs[0] == runs[1]
+    if right:
+        assert runs[0][1] >= 1.5 * runs[0][2], runs[0][:3]
 
 
 @CUDA
