@@ -328,13 +328,13 @@ class LLMEngine:
             bm.grow(item.seq, item.seq.num_computed_tokens + k + 1)
         return k, spec
 
-    def _end_reason(self, seq: Sequence, tok: int, pending: int = 0) -> str | None:
-        """Why seq ends at `tok`, its newest token with `pending` more tokens still to be
-        appended before it counts ("stop": a stop or eos token, "length"), or None."""
+    def _end_reason(self, seq: Sequence, tok: int) -> str | None:
+        """Why seq ends at `tok`, its newest token ("stop": a stop or eos token, "length"), or
+        None."""
         if tok in self._stop_ids(seq):
             return "stop"
-        if (seq.num_output_tokens + pending >= seq.params.max_tokens
-                or seq.num_tokens + pending >= self.ecfg.max_model_len):
+        if (seq.num_output_tokens >= seq.params.max_tokens
+                or seq.num_tokens >= self.ecfg.max_model_len):
             return "length"
         return None
 

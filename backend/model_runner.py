@@ -426,6 +426,7 @@ class ModelRunner:
         last = torch.tensor(b.cu_list[1:], device=h.device) - 1
         return self.model.compute_logits(h[last]).argmax(dim=-1).tolist()
 
+    @torch.inference_mode()
     def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int, caps: list[int],
                          stops: list[tuple[int, ...]]
                          ) -> tuple[list[list[int]], list[int], list[int]] | None:
