@@ -261,22 +261,24 @@ def eager_graphs(monkeypatch, e: LLMEngine) -> None:
     r.max_check_seqs = 4
 
 
-@pytest.mark.parametrize("right", [False, True])
-def test_graph_paths_on_the_cpu(models, monkeypatch, right):
-    """eager_graphs: the one-replay greedy step (device acceptance, counting, commit, MTP
-    masks) and the host's calls over the same "graphs" give plain greedy's tokens and finish
-    reasons and each other's drafts every step; with the block's own guesses and with right
-    ones set before each step; one request ends at a stop token, the others at max_tokens."""
+def fused_and_host(models, device: str, right: bool, prepare=None) -> tuple[list, dict, dict]:
+    """Three greedy requests (one ending at a stop token of its plain greedy output, the others
+    at max_tokens) run by an MTP engine twice: with the one-replay greedy step and with the
+    host's check / commit / mtp calls (check_greedy_mtp off); with `right` each draft is set
+    right before every step. prepare(engine): its set-up (eager_graphs on the CPU). Returns per
+    run (ids, finish reasons, steps, spec_tokens, spec_seqs, the drafts after every step, the
+    one-replay calls' results), and plain greedy's ids and finish reasons."""
     ps = prompts(3, seed=9)
     reqs = [(f"r{i}", p, greedy(20 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
-    want, _, _ = run(engine(models), reqs)
+    want, _, _ = run(engine(models, device=device), reqs)
     reqs[1] = ("r1", ps[1], greedy(17, stop_token_ids=(want["r1"][7],)))
-    want, want_reasons, _ = run(engine(models), reqs)
+    want, want_reasons, _ = run(engine(models, device=device), reqs)
     full = {r: p + want[r] for r, p, _ in reqs}
     runs = []
     for fused in (True, False):
-        e = mtp_engine(models)
-        eager_graphs(monkeypatch, e)
+        e = mtp_engine(models, device=device)
+        if prepare is not None:
+            prepare(e)
         calls, real = [], e.runner.check_greedy_mtp
 
         def counted_call(*a, calls=calls, real=real):
@@ -298,52 +300,33 @@ def test_graph_paths_on_the_cpu(models, monkeypatch, right):
         e.step = stepped
         got, reasons, steps = run(e, reqs)
         st = e.stats()
-        assert got == want and reasons == want_reasons and reasons["r1"] == "stop"
-        assert not fused or (calls and all(c is not None for c in calls))
+        runs.append((got, reasons, steps, st["spec_tokens"], st["spec_seqs"], drafts, calls))
         assert st["num_slots_free"] == 4 and st["num_blocks_free"] == 80
-        runs.append((steps, st["spec_tokens"], st["spec_seqs"], drafts))
-    assert runs[0] == runs[1]
-    if right:
-        assert runs[0][1] >= 1.5 * runs[0][2], runs[0][:3]
+    fused_run, host_run = runs
+    assert fused_run[6] and all(c is not None for c in fused_run[6]) and not host_run[6]
+    assert fused_run[:6] == host_run[:6] and fused_run[1]["r1"] == "stop"
+    if right:  # tokens per sequence and step: most guesses kept
+        assert fused_run[3] >= 1.5 * fused_run[4], fused_run[2:5]
+    return runs, want, want_reasons
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_graph_paths_on_the_cpu(models, monkeypatch, right):
+    """eager_graphs: the one-replay greedy step (device acceptance, counting, commit, MTP
+    masks) and the host's calls over the same "graphs" give each other's tokens, finish
+    reasons and drafts every step (fused_and_host), and plain greedy's tokens and reasons."""
+    runs, want, want_reasons = fused_and_host(models, "cpu", right,
+                                              lambda e: eager_graphs(monkeypatch, e))
+    assert runs[0][0] == want and runs[0][1] == want_reasons
 
 
 @CUDA
 @pytest.mark.parametrize("right", [False, True])
 def test_cuda_fused_greedy_step_equals_the_host_steps(models, right):
-    """The one-replay greedy step (acceptance, commit and MTP layout on the device) gives what
-    the host's check / commit / mtp calls over the same graphs give: the same tokens, the same
-    kept counts, the same drafts every step (bit-identical inputs to the same kernels); with
-    the block's own guesses and with right ones set before each step (two kept rows); one
-    request ends at a stop token, the others at max_tokens (the counting on the device)."""
-    ps = prompts(3, seed=9)
-    reqs = [(f"r{i}", p, greedy(24 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
-    want, _, _ = run(engine(models, device="cuda"), reqs)
-    reqs[1] = ("r1", ps[1], greedy(21, stop_token_ids=(want["r1"][9],)))
-    full = {r: p + want[r] for r, p, _ in reqs}
-    runs = []
-    for fused in (True, False):
-        e = mtp_engine(models, device="cuda")
-        if not fused:
-            e.runner.check_greedy_mtp = lambda *a: None
-        drafts = []
-        step = e.step
-
-        def stepped(step=step, e=e, drafts=drafts):
-            for s in e.requests.values():
-                n = len(s.token_ids)
-                if right and s.mtp_draft is not None and n < len(full[s.request_id]):
-                    s.mtp_draft = full[s.request_id][n]
-            outs = step()
-            drafts.append(sorted((s.request_id, s.mtp_draft) for s in e.requests.values()))
-            return outs
-
-        e.step = stepped
-        got, reasons, steps = run(e, reqs)
-        st = e.stats()
-        runs.append((got, steps, st["spec_tokens"], st["spec_seqs"], drafts, reasons))
-    assert runs[0] == runs[1] and runs[0][5]["r1"] == "stop"
-    if right:  # tokens per sequence and step (bf16 near-ties aside, most guesses kept)
-        assert runs[0][2] >= 1.5 * runs[0][3], runs[0][1:4]
+    """On CUDA the one-replay greedy step gives what the host's calls over the same graphs give
+    (fused_and_host: bit-identical inputs to the same kernels): the same tokens, finish reasons,
+    kept counts and drafts every step."""
+    fused_and_host(models, "cuda", right)
 
 
 @CUDA
