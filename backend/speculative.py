@@ -139,6 +139,23 @@ def accept_sampled(logits: torch.Tensor, guesses: list[int], seq: Sequence,
     return out + [int(torch.multinomial(probs[len(guesses)], 1, generator=gen))]
 
 
+def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[int]],
+                  logits: torch.Tensor, counted: Callable[[Sequence, list[int]], int]
+                  ) -> list[list[int]]:
+    """Step 3 of the module doc for each sequence: its kept guesses and the token after them
+    (greedy: `greedy_kept`; sampled: `accept_sampled`, logits [n, >= 1 + its guesses, V]),
+    cut to the tokens that count (`counted`)."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for i, (s, d) in enumerate(zip(seqs, drafts)):
+        if s.params.greedy:
+            toks = greedy_kept(greedy[i], d)
+        else:
+            toks = accept_sampled(logits[i, :1 + len(d)], d, s, target.sampler.generator)
+        out.append(toks[:counted(s, toks)])
+    return out
+
+
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
               L: int, chunk: int, counted: Callable[[Sequence, list[int]], int]
               ) -> list[list[int]]:
@@ -159,15 +176,8 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     # 2. the model's distributions after t_0, d_1 .. d_k (states read only)
     with _appended(seqs, drafts):
         logits = target.check([ScheduledSeq(s, k + 1) for s in seqs], L)[:, :k + 1]
-    greedy = logits.argmax(dim=-1).tolist()
     # 3. accepted guesses and the token after them; the tokens that count
-    out = []
-    for i, (s, d) in enumerate(zip(seqs, drafts)):
-        if s.params.greedy:
-            toks = greedy_kept(greedy[i], d)
-        else:
-            toks = accept_sampled(logits[i], d, s, target.sampler.generator)
-        out.append(toks[:counted(s, toks)])
+    out = _counted_kept(target, seqs, drafts, logits, counted)
     # 4. states: the model's take in t_0 and the counted tokens but the last
     target.commit([len(toks) for toks in out])
     back = [i for i, toks in enumerate(out) if len(toks) < k]
@@ -203,14 +213,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
     with _appended(seqs, drafts):
         logits = target.check(items, L)
     hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for i, (s, d) in enumerate(zip(seqs, drafts)):
-        if s.params.greedy:
-            toks = greedy_kept(greedy[i], d)
-        else:
-            toks = accept_sampled(logits[i, :q[i]], d, s, target.sampler.generator)
-        out.append(toks[:counted(s, toks)])
+    out = _counted_kept(target, seqs, drafts, logits, counted)
     target.commit([len(toks) for toks in out])
     # the MTP block over the kept rows: row j (position p + j) is followed by out[i][j]
     idx = torch.tensor([i * L + j for i, toks in enumerate(out) for j in range(len(toks))],
