@@ -253,10 +253,12 @@ class CheckGraphs:
         return None if logits is None else logits[:T]
 
     @torch.inference_mode()
-    def run_mtp(self, lay: dict[str, list], hidden: torch.Tensor, ids: list[int]) -> list[int]:
+    def run_mtp(self, lay: dict[str, list], hidden: torch.Tensor, ids: list[int]
+                ) -> tuple[list[int], torch.Tensor]:
         """Replays the MTP block over a layout's rows (sequence i's first m_i of its L rows):
         hidden [sum m_i, d] the rows' hidden states, ids their next tokens, in row order.
-        Returns each sequence's greedy guess after its last row."""
+        Returns each sequence's greedy guess after its last row and the block's output there
+        [n, d] (a copy)."""
         n, L = len(lay["slots"]) // 2, self.L
         lens = [lay["cu"][2 * i + 1] - lay["cu"][2 * i] for i in range(n)]
         rows = [i * L + j for i, m in enumerate(lens) for j in range(m)]
@@ -268,20 +270,22 @@ class CheckGraphs:
         self.mtp_hidden.index_copy_(0, idx, hidden)
         self.mtp_ids.index_copy_(0, idx, nxt)
         self.mtp_last[:n] = a_last
-        g, _, guesses, _, _ = self.graphs[size]
+        g, _, guesses, _, h = self.graphs[size]
         g.replay()
-        return guesses[:n].tolist()
+        return guesses[:n].tolist(), h[self.mtp_last[:n]]
 
     @torch.inference_mode()
     def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
-                       stops: list[tuple[int, ...]]
-                       ) -> tuple[list[list[int]], list[int], list[int]]:
+                       stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0
+                       ) -> tuple[list[list[int]], list[int], list[list[int]]]:
         """A speculate_mtp step of greedy sequences replayed back to back with one read back:
         the check of a layout, the acceptance on the device (check_layout.greedy_lengths, then
         counted_lengths with each sequence's length cap and stop ids), the commit of the counted
         rows, the MTP block over them (`mtp`: the MTP graphs, whose buffers take this layout's
-        rows masked to the counted ones). Returns each sequence's argmax rows [L], counted
-        lengths and MTP guess."""
+        rows masked to the counted ones), then k - 1 times over one row a sequence: its output
+        at the last row and the guess from there, one position further (speculate_mtp's
+        `mtp_chain`; block_size: the KV blocks', for the rows' slots). Returns each sequence's
+        argmax rows [L], counted lengths and k MTP guesses."""
         from volundr.check_layout import counted_lengths, greedy_lengths, kept_cu
 
         n, L = len(lay["slots"]) // 2, self.L
@@ -308,10 +312,33 @@ class CheckGraphs:
         mtp.mtp_hidden[:Tn] = hidden[:Tn]
         mtp.mtp_ids[:Tn] = a.flatten()  # row j is followed by the kept token j
         mtp.mtp_last[:size] = (cu[1::2][:size] - 1).clamp(min=0)
-        mg, _, guesses, _, _ = mtp.graphs[size]
+        mg, _, guesses, _, h = mtp.graphs[size]
         mg.replay()
-        out = torch.cat([a[:n].flatten(), lens[:n], guesses[:n]]).tolist()
-        return [out[i * L:(i + 1) * L] for i in range(n)], out[n * L:n * L + n], out[n * L + n:]
+        out = [guesses[:size].clone()]
+        # the chain's rows: row 0 of each sequence at position p + m + j - 1 (p = its first
+        # row's context - 1, m its counted tokens), padding sequences masked
+        first = torch.arange(size, device=self.device) * L
+        pos = torch.where(lens > 0, self.ctx[first] - 1 + lens, 0)
+        one = kept_cu((lens > 0).to(lens.dtype), L)
+        for _ in range(k - 1):
+            h_last = h[mtp.mtp_last[:size]]  # (before the buffers change)
+            slot = (self.seq_tables[torch.arange(size, device=self.device), pos // block_size]
+                    * block_size + pos % block_size)
+            mtp.cu[:2 * size + 1] = one
+            mtp.slot_mapping[:Tn] = -1
+            mtp.slot_mapping[first] = torch.where(lens > 0, slot.long(), -1)
+            mtp.ctx[:Tn] = 1
+            mtp.ctx[first] = torch.where(lens > 0, pos + 1, 1).to(mtp.ctx.dtype)
+            mtp.mtp_hidden[first] = h_last
+            mtp.mtp_ids[first] = out[-1]
+            mtp.mtp_last[:size] = first
+            mg.replay()
+            out.append(guesses[:size].clone())
+            pos = pos + 1
+        res = torch.cat([a[:n].flatten(), lens[:n], torch.stack(out, 1)[:n].flatten()]).tolist()
+        drafts = res[n * L + n:]
+        return ([res[i * L:(i + 1) * L] for i in range(n)], res[n * L:n * L + n],
+                [drafts[i * k:(i + 1) * k] for i in range(n)])
 
     def _fill(self, lay: dict[str, list]) -> int:
         """The static buffers of a layout's graph; returns its size (sequences)."""

@@ -35,6 +35,12 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
 
+# EngineConfig.num_speculative_tokens's defaults: a drafter's guesses a step, and the MTP
+# head's (a second guess from its block applied to its own output is right less often; one
+# guess pays above ~55% kept, H100 session 28)
+DRAFT_TOKENS, MTP_TOKENS = 4, 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str
@@ -59,17 +65,18 @@ class EngineConfig:
     # this bounds rank 0's copy (every rank parks its own shard).
     session_gib: float = DEFAULT_SESSION_GIB
     # Speculative decoding (volundr.speculative; with a drafter given to LLMEngine): the
-    # drafter's guesses per decode step.
-    num_speculative_tokens: int = 4
+    # guesses checked per decode step; None: DRAFT_TOKENS with a drafter, MTP_TOKENS with the
+    # MTP head (its block applied to its own output for each guess after the first).
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)  # a clear ValueError if unknown
-        if self.num_speculative_tokens > MAX_CHECK_LEN - 1:
+        if (self.num_speculative_tokens or 1) > MAX_CHECK_LEN - 1:
             raise ValueError(f"num_speculative_tokens must be at most {MAX_CHECK_LEN - 1}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "num_kv_blocks", "tensor_parallel_size", "decode_steps",
                      "num_speculative_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.session_gib < 0:
             raise ValueError("session_gib must be >= 0")
@@ -101,16 +108,18 @@ class LLMEngine:
                  draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | str | None = None):
         """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): decode
         steps then check ecfg.num_speculative_tokens of its guesses at once
-        (volundr.speculative); "mtp": the checkpoint's MTP head guesses one token a step."""
+        (volundr.speculative); "mtp": the checkpoint's MTP head guesses them
+        (speculate_mtp)."""
         self.cfg, self.ecfg = cfg, ecfg
         self.mtp = draft == "mtp"
         if self.mtp:
             if not cfg.mtp.num_layers:
                 raise ValueError("draft 'mtp': this checkpoint has no MTP block")
             draft = None
-        # tokens per sequence of a speculative check (t_0 and the guesses); 0: no drafter
-        self.check_len = (2 if self.mtp else ecfg.num_speculative_tokens + 1 if draft is not None
-                          else 0)
+        # guesses a step; tokens per sequence of a speculative check (t_0 and the guesses), 0:
+        # no drafter
+        self.spec_k = ecfg.num_speculative_tokens or (MTP_TOKENS if self.mtp else DRAFT_TOKENS)
+        self.check_len = self.spec_k + 1 if self.mtp or draft is not None else 0
         if self.check_len and ecfg.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if draft is not None and draft[0].vocab_size != cfg.vocab_size:
@@ -239,8 +248,7 @@ class LLMEngine:
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
             if self.mtp:
-                tokens = speculate_mtp(self.runner, spec, self.check_len, self._counted,
-                                       self._limits)
+                tokens = speculate_mtp(self.runner, spec, k, self._counted, self._limits)
             else:
                 tokens = speculate(self.runner, self.drafter, spec, k, self.check_len,
                                    self.ecfg.max_num_batched_tokens, self._counted)
@@ -259,7 +267,7 @@ class LLMEngine:
                     stops = [self._stop_ids(it.seq) for it in batch]
                 rows = self.runner.run_decode_steps(batch, steps, stops)
                 for item in batch:  # (no hidden states kept: no MTP drafts)
-                    item.seq.mtp_draft = None
+                    item.seq.mtp_drafts = []
                 return self._postprocess_steps(
                     batch, [[row[i] for row in rows] for i in range(len(batch))])
             tokens = self.runner.run(batch)
@@ -300,16 +308,20 @@ class LLMEngine:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
         decodes without input embeddings or seeded sampling (volundr.speculative) that have
         room for 2 more tokens, if the runner's check takes that many at once; k at most
-        num_speculative_tokens and room for k + 1 more tokens in each; the KV blocks for them
-        free (then taken). The batch's other items (prefill chunks, the rest) run in a forward
-        of their own."""
+        the guesses a step (spec_k) and room for k + 1 more tokens in each; the KV blocks for
+        them free (then taken). With the MTP head k = spec_k (the drafts are at hand) and the
+        blocks reach 2k positions past the computed ones (its guesses after the first are
+        rows past the kept tokens: speculate_mtp). The batch's other items (prefill chunks, the
+        rest) run in a forward of their own."""
         if self.drafter is None and not self.mtp:
             return 0, []
+        k, reach = self.spec_k, 2 * self.spec_k if self.mtp else 0
         room = {}
         for item in batch:
             s = item.seq
             if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and (s.params.seed is None or s.params.greedy)):
+                    and (s.params.seed is None or s.params.greedy)
+                    and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
                 r = min(s.params.max_tokens - s.num_output_tokens - 1,
                         self.ecfg.max_model_len - s.num_tokens - 1)
                 if r >= 1:
@@ -319,13 +331,15 @@ class LLMEngine:
             # the rest would need a forward of their own: two forwards for the step's decodes
             # (batch 16, H100: 198 tok/s with a random drafter against 1005 without)
             return 0, []
-        k = 1 if self.mtp else min([self.ecfg.num_speculative_tokens, *room.values()])
+        if not self.mtp:
+            k = min([k, *room.values()])
+        reach = max(reach, k + 1)
         bm = self.block_manager
-        if not spec or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k + 1)
+        if not spec or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + reach)
                            for it in spec) > bm.num_free:
             return 0, []
         for item in spec:
-            bm.grow(item.seq, item.seq.num_computed_tokens + k + 1)
+            bm.grow(item.seq, item.seq.num_computed_tokens + reach)
         return k, spec
 
     def _end_reason(self, seq: Sequence, tok: int) -> str | None:

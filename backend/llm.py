@@ -88,7 +88,8 @@ class LLM:
         decode speculatively, num_speculative_tokens guesses checked per step (None:
         EngineConfig's default; volundr.speculative: greedy output unchanged, sampled output
         from the model's distribution; seeded sampled requests decode as before); "mtp": the
-        checkpoint's MTP head guesses one token per step (speculate_mtp)."""
+        checkpoint's MTP head guesses them (speculate_mtp; default 1 a step, more by its block
+        applied to its own output)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -410,12 +410,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mtp(self, batch: list[ScheduledSeq], hidden: torch.Tensor, next_ids: list[int]
-            ) -> list[int]:
+            ) -> tuple[list[int], torch.Tensor]:
         """The MTP block over `batch`'s positions (item i: num_new_tokens positions from
         num_computed_tokens on; token_ids covering them): hidden [T, d] the model's hidden
-        states there (before the final norm), next_ids [T] each position's next token. Its
-        attention KV is stored at those positions; returns each item's greedy guess of the
-        token after its last next id (its last row's MTP logits)."""
+        states there (before the final norm), or the block's own output (a recursive guess),
+        next_ids [T] each position's next token. Its attention KV is stored at those positions;
+        returns each item's greedy guess of the token after its last next id (its last row's
+        MTP logits) and the block's output there [len(batch), d] (before its final norm)."""
         g = self.mtp_graphs
         if (g is not None and len(batch) <= g.max_n
                 and all(it.num_new_tokens <= g.L for it in batch)):
@@ -423,23 +424,24 @@ class ModelRunner:
         b = self.prepare(batch)
         e = self.model.embed(torch.tensor(next_ids), hidden.device, hidden.dtype)
         h = self.model.mtp(hidden, e, b)
-        last = torch.tensor(b.cu_list[1:], device=h.device) - 1
-        return self.model.compute_logits(h[last]).argmax(dim=-1).tolist()
+        h = h[torch.tensor(b.cu_list[1:], device=h.device) - 1]
+        return self.model.compute_logits(h).argmax(dim=-1).tolist(), h
 
     @torch.inference_mode()
     def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int, caps: list[int],
-                         stops: list[tuple[int, ...]]
-                         ) -> tuple[list[list[int]], list[int], list[int]] | None:
+                         stops: list[tuple[int, ...]], k: int = 1
+                         ) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
         """`check`, `commit` of the greedy kept tokens that count (caps[i] at most, up to the
-        first of stops[i]) and `mtp` over them as one replay of graphs
-        (CheckGraphs.run_greedy_mtp: each item's argmax rows, counted lengths, MTP guess); None
-        where the graphs do not take the batch."""
+        first of stops[i]) and `mtp` over them, then k - 1 times over its own output (the
+        guesses after the first: speculate_mtp), as one replay of graphs
+        (CheckGraphs.run_greedy_mtp: each item's argmax rows, counted lengths, k MTP guesses);
+        None where the graphs do not take the batch."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
             return None
         self._init_states(batch)
         self.last_hidden = None
-        return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops)
+        return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops, k, self.block_size)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

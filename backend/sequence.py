@@ -49,8 +49,8 @@ class Sequence:
         # Speculative decoding (volundr.speculative): tokens [0, num_draft_computed) are in the
         # drafter's state and KV (it catches up lazily, before it drafts).
         self.num_draft_computed = 0
-        # the MTP head's guess of the token after the last one (speculate_mtp), None: none yet
-        self.mtp_draft: int | None = None
+        # the MTP head's guesses of the tokens after the last one (speculate_mtp; [] none yet)
+        self.mtp_drafts: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +84,7 @@ class Sequence:
         self.slot = None
         self.num_cached_tokens = 0  # (a running sequence restored its parked state already)
         self.num_draft_computed = 0
-        self.mtp_draft = None
+        self.mtp_drafts = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

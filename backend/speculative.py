@@ -29,15 +29,18 @@ position p not yet run through the model (its state holds tokens [0, p)):
 Stays out (the engine's normal steps run instead): seeded sampled requests, prompts with input
 embeddings (the drafter has its own hidden size), tensor parallelism.
 
-The MTP head as the draft source (`speculate_mtp`, k = 1): the model's MTP block reads the
-hidden state h_i of position i (before the final norm) and the embedding of token i + 1, and
-guesses token i + 2; its attention layer keeps its own KV at every position it has run. So
-after each forward whose next tokens are known (a prefill chunk or an eager decode:
-`mtp_after_run`; a check: its kept rows), the MTP block runs over those positions and its
-last row's greedy guess is the sequence's draft d_1 for the next step, which checks [t_0, d_1]
-(or [t_0] alone where no draft is at hand: after a decode step replayed as a CUDA graph, whose
-hidden states are not kept). Positions the MTP block never ran (such graph steps) leave holes
-in its KV: later guesses see less context, the tokens stay exactly the model's.
+The MTP head as the draft source (`speculate_mtp`): the model's MTP block reads the hidden
+state h_i of position i (before the final norm) and the embedding of token i + 1, and guesses
+token i + 2; its attention layer keeps its own KV at every position it has run. So after each
+forward whose next tokens are known (a prefill chunk or an eager decode: `mtp_after_run`; a
+check: its kept rows), the MTP block runs over those positions and its last row's greedy guess
+is the sequence's draft d_1 for the next step, which checks [t_0, d_1, ..] (or [t_0] alone
+where no draft is at hand: after a decode step replayed as a CUDA graph, whose hidden states
+are not kept). Positions the MTP block never ran (such graph steps) leave holes in its KV:
+later guesses see less context, the tokens stay exactly the model's. With k > 1 guesses a step
+the block then runs on its own output (`mtp_chain`, as DeepSeek-V3's MTP modules chain, one
+block reused): its output h'_i at the last kept row and the embedding of d_1 give d_2 at the
+next position, and so on; those rows' KV is rewritten when the kept rows get there.
 """
 
 from __future__ import annotations
@@ -54,16 +57,22 @@ from volundr.sequence import Sequence
 
 
 @contextmanager
-def _drafter_view(seqs: list[Sequence]):
-    """The sequences as the drafter's runner must see them: num_computed_tokens = its own."""
+def _computed(seqs: list[Sequence], counts: list[int]):
+    """The sequences with num_computed_tokens = counts for one forward (a drafter's view: its
+    own; a row further on), then as before."""
     saved = [s.num_computed_tokens for s in seqs]
-    for s in seqs:
-        s.num_computed_tokens = s.num_draft_computed
+    for s, n in zip(seqs, counts):
+        s.num_computed_tokens = n
     try:
         yield
     finally:
         for s, n in zip(seqs, saved):
             s.num_computed_tokens = n
+
+
+def _drafter_view(seqs: list[Sequence]):
+    """The sequences as the drafter's runner must see them: num_computed_tokens = its own."""
+    return _computed(seqs, [s.num_draft_computed for s in seqs])
 
 
 @contextmanager
@@ -188,27 +197,49 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     return out
 
 
-def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
+def mtp_chain(target: ModelRunner, seqs: list[Sequence], out: list[list[int]],
+              first: tuple[list[int], torch.Tensor], k: int) -> list[list[int]]:
+    """The guesses d_2 .. d_k after d_1 (module doc: the MTP block applied to its own output):
+    sequence i kept out[i] (m tokens after t_0 at p: its next t_0 sits at p + m); first = the
+    block's guesses d_1 (of the token at p + m + 1) and its outputs h' at the kept rows' last.
+    d_{j+1} = the block's row at p + m + j - 1 with hidden h' of the row before and next id
+    d_j; the row's KV is stored there (position p + 2k - 1 at most: the engine grew the blocks)
+    and rewritten by the next step's kept rows. Returns each sequence's [d_1 .. d_k]."""
+    guesses, h = first
+    drafts = [[g] for g in guesses]
+    for j in range(1, k):
+        at = [s.num_computed_tokens + len(toks) + j - 1 for s, toks in zip(seqs, out)]
+        with _appended(seqs, [toks + d[:-1] for toks, d in zip(out, drafts)]), \
+                _computed(seqs, at):
+            guesses, h = target.mtp([ScheduledSeq(s, 1) for s in seqs], h,
+                                    [d[-1] for d in drafts])
+        for d, g in zip(drafts, guesses):
+            d.append(g)
+    return drafts
+
+
+def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
                   counted: Callable[[Sequence, list[int]], int],
                   limits: Callable[[Sequence], tuple[int, tuple[int, ...]]] | None = None
                   ) -> list[list[int]]:
-    """One speculative step with the MTP head's drafts (module doc; k = 1, L >= 2) over `batch`
-    (decoding sequences as `speculate` takes them, KV blocks grown for 2 positions). Returns
-    each sequence's counted tokens; the states then hold t_0 and the counted tokens but the
-    last, and seq.mtp_draft the guess for the next step. limits(seq) -> (the most tokens it
-    may still take, its stop ids), `counted`'s rules as data: with it, all-greedy batches take
-    the graphs' one replay (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
+    """One speculative step with the MTP head's drafts (module doc; checks of k + 1 rows: the
+    model runner's check_len) over `batch` (decoding sequences as `speculate` takes them, KV
+    blocks grown for 2k positions and k + 1). Returns each sequence's counted tokens; the
+    states then hold t_0 and the counted tokens but the last, and seq.mtp_drafts the k guesses
+    for the next step. limits(seq) -> (the most tokens it may still take, its stop ids),
+    `counted`'s rules as data: with it, all-greedy batches take the graphs' one replay
+    (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
     seqs = [it.seq for it in batch]
-    drafts = [[] if s.mtp_draft is None else [s.mtp_draft] for s in seqs]
-    q = [1 + len(d) for d in drafts]
-    items = [ScheduledSeq(s, n) for s, n in zip(seqs, q)]
+    drafts = [s.mtp_drafts[:k] for s in seqs]
+    items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
+    L = k + 1
     if limits is not None and all(s.params.greedy for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
-            fused = target.check_greedy_mtp(items, L, list(caps), list(stops))
+            fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)
         if fused is not None:
-            for s, guess in zip(seqs, fused[2]):
-                s.mtp_draft = guess
+            for s, guesses in zip(seqs, fused[2]):
+                s.mtp_drafts = guesses
             return [a[:m] for a, m in zip(fused[0], fused[1])]
     with _appended(seqs, drafts):
         logits = target.check(items, L)
@@ -219,27 +250,28 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], L: int,
     idx = torch.tensor([i * L + j for i, toks in enumerate(out) for j in range(len(toks))],
                        device=hidden.device)
     with _appended(seqs, [toks[:-1] for toks in out]):
-        guesses = target.mtp([ScheduledSeq(s, len(t)) for s, t in zip(seqs, out)],
-                             hidden[idx], [x for toks in out for x in toks])
-    for s, g in zip(seqs, guesses):
-        s.mtp_draft = g
+        first = target.mtp([ScheduledSeq(s, len(t)) for s, t in zip(seqs, out)], hidden[idx],
+                           [x for toks in out for x in toks])
+    for s, d in zip(seqs, mtp_chain(target, seqs, out, first, k)):
+        s.mtp_drafts = d
     return out
 
 
 def mtp_after_run(target: ModelRunner, batch: list[ScheduledSeq], tokens: list[int]) -> None:
     """After a forward of `batch` (ModelRunner.run, before the engine advances the sequences)
     that sampled `tokens` for its sampling items: the MTP block over every position it ran,
-    each followed by the next prompt token or the sampled one, and the drafts of the sampling
-    items. A forward replayed as a CUDA graph keeps no hidden states: its drafts are None."""
+    each followed by the next prompt token or the sampled one, and the first draft d_1 of the
+    sampling items (the next step checks it alone; no room is held for a chain's rows here).
+    A forward replayed as a CUDA graph keeps no hidden states: no drafts."""
     hidden = target.last_hidden
     if hidden is None:
         for it in batch:
-            it.seq.mtp_draft = None
+            it.seq.mtp_drafts = []
         return
     sampled, nxt = iter(tokens), []
     for it in batch:
         s, e = it.seq.num_computed_tokens, it.seq.num_computed_tokens + it.num_new_tokens
         nxt += it.seq.token_ids[s + 1:e] + [next(sampled) if it.samples else it.seq.token_ids[e]]
-    guesses = target.mtp(batch, hidden, nxt)
+    guesses, _ = target.mtp(batch, hidden, nxt)
     for it, g in zip(batch, guesses):
-        it.seq.mtp_draft = g if it.samples else None
+        it.seq.mtp_drafts = [g] if it.samples else []

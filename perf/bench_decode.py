@@ -400,7 +400,7 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
           device: str, gpu_gib: float | None = None, decode_steps: int = 1,
           max_model_len: int = 4096, tp: int = 1, kv_cache_dtype: str = "auto",
           plan_kv: bool = False, batched_tokens: int = 2048, draft: str | None = None,
-          spec_k: int = 4) -> LLMEngine:
+          spec_k: int | None = None) -> LLMEngine:
     """`preset` (Volundr-32B) with random weights built straight on the device (host tables on
     the CPU); variant "mixed" is its ~3.2-bit mixed quantization. gpu_gib: the engine's budget
     (a hard cap on the allocator from the engine's construction on). tp > 1: the weights are
@@ -524,7 +524,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     variant, _, gib = spec_bits.partition(":")
     tp, all_reduce = 1, os.environ.get("VOLUNDR_TP_ALLREDUCE")  # +symm sets it for one variant
     kv_cache_dtype = "auto"
-    draft, spec_k = None, 4
+    draft, spec_k = None, None  # (None: the engine's default guesses a step)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -619,7 +619,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,
-             kv_cache_dtype="auto", draft=None, spec_k=4) -> list[dict]:
+             kv_cache_dtype="auto", draft=None, spec_k=None) -> list[dict]:
     out = []
     t = time.perf_counter()
     engine = build(variant, True, args.max_num_seqs, args.preset, args.device,

@@ -5,6 +5,7 @@
     python3 perf/diag_speculative.py --variant mixed@8+mtp+eager   # its block not in graphs
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right   # its guesses all right
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+host  # the host's calls
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+right+k2    # two guesses a step
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
@@ -55,8 +56,8 @@ def right_guesses(e, tokens: int) -> None:
     def right():
         for s in e.requests.values():
             i = len(s.token_ids) - s.num_prompt_tokens
-            if s.mtp_draft is not None and i < len(ids):
-                s.mtp_draft = ids[i]
+            if s.mtp_drafts:
+                s.mtp_drafts = (ids[i:] + s.mtp_drafts)[:len(s.mtp_drafts)]
         return step()
 
     e.step = right
@@ -78,7 +79,7 @@ def main() -> None:
     flags = {f for x in sfx for f in ("eager", "right", "host") if x in (f, "mtp" + f)}
     mtp = any(x[:3] == "mtp" for x in sfx)
     draft = "self" if "draftself" in sfx else "mtp" if mtp else "random"
-    k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), 4)
+    k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), None)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     e = build(variant, True, 1, args.preset, dev, None, int(steps or 1), 4096, 1, "auto",
               draft=draft, spec_k=k)

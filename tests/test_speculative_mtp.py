@@ -34,9 +34,10 @@ def models():
     return {"cfg": cfg, "sd": random_state_dict(cfg, "cpu", dtype=torch.float32, seed=3)}
 
 
-def mtp_engine(models, device="cpu", **kw) -> LLMEngine:
-    """test_speculative.engine's arguments, the MTP head as the draft source."""
-    return engine(models, "mtp", device, **kw)
+def mtp_engine(models, device="cpu", k=1, **kw) -> LLMEngine:
+    """test_speculative.engine's arguments, the MTP head as the draft source, k guesses a
+    step (the block applied to its own output for the guesses after the first)."""
+    return engine(models, "mtp", device, num_speculative_tokens=k, **kw)
 
 
 def oracle(monkeypatch, full: dict[str, list[int]]) -> dict[str, int]:
@@ -46,35 +47,44 @@ def oracle(monkeypatch, full: dict[str, list[int]]) -> dict[str, int]:
     real, own = ModelRunner.mtp, {}
 
     def mtp(self, batch, hidden, next_ids):
-        got = real(self, batch, hidden, next_ids)
+        got, h = real(self, batch, hidden, next_ids)
         out = []
         for item, g in zip(batch, got):
             own[item.seq.request_id] = g
             ids, n = full[item.seq.request_id], len(item.seq.token_ids) + 1
             out.append(ids[n] if n < len(ids) else g)
-        return out
+        return out, h
 
     monkeypatch.setattr(ModelRunner, "mtp", mtp)
     return own
 
 
-def reference_draft(models, ids: list[int]) -> int:
-    """The MTP block's guess of the token after ids[-1], from scratch: a fresh engine's forward
-    over ids[:-1] (hidden states h_0 .. h_{n-2}), then the MTP block over those positions
-    followed by ids[1:], its KV empty before."""
+def reference_drafts(models, ids: list[int], k: int = 1) -> list[int]:
+    """The MTP block's k guesses of the tokens after ids[-1], from scratch: a fresh engine's
+    forward over ids[:-1] (hidden states h_0 .. h_{n-2}), then the MTP block over those
+    positions followed by ids[1:], its KV empty before: d_1 from its last row; then, one row a
+    guess, the block at the next position over its own output there and the last guess."""
     e = engine(models)
+    n = len(ids) - 1
     seq = Sequence("ref", ids[:-1], SamplingParams())
     seq.slot = e.slots.allocate()
-    e.block_manager.grow(seq, len(ids) - 1)
-    item = ScheduledSeq(seq, len(ids) - 1)
+    e.block_manager.grow(seq, n + k)
+    item = ScheduledSeq(seq, n)
     with torch.inference_mode():
         hidden = e.runner.model(e.runner.prepare([item]))
-    return e.runner.mtp([item], hidden, ids[1:])[0]
+    (d, *_), h = e.runner.mtp([item], hidden, ids[1:])
+    out = [d]
+    for j in range(1, k):
+        seq.token_ids, seq.num_computed_tokens = ids + out[:-1], n + j - 1
+        (d, *_), h = e.runner.mtp([ScheduledSeq(seq, 1)], h, [d])
+        out.append(d)
+    return out
 
 
-def test_mtp_greedy_output_is_unchanged(models):
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_greedy_output_is_unchanged(models, k):
     """Three requests (chunked prefills: prompts up to 40 tokens, 16 tokens a step), one with
-    stop tokens from plain greedy's output, one ending by max_tokens."""
+    stop tokens from plain greedy's output, one ending by max_tokens; k guesses a step."""
     ps = prompts(3)
     plain, _, _ = run(engine(models), [(f"r{i}", p, greedy(24, ignore_eos=True))
                                        for i, p in enumerate(ps)])
@@ -82,61 +92,70 @@ def test_mtp_greedy_output_is_unchanged(models):
     reqs = [("r0", ps[0], greedy(24, ignore_eos=True)),
             ("r1", ps[1], greedy(24, stop_token_ids=(stop,))), ("r2", ps[2], greedy(17))]
     want, want_reasons, _ = run(engine(models, max_num_batched_tokens=16), reqs)
-    e = mtp_engine(models, max_num_batched_tokens=16)
+    e = mtp_engine(models, k=k, max_num_batched_tokens=16)
     got, reasons, _ = run(e, reqs)
     assert got == want and reasons == want_reasons and reasons["r1"] == "stop"
     st = e.stats()
     assert st["spec_steps"] > 0 and st["num_slots_free"] == 4 and st["num_blocks_free"] == 80
 
 
-def test_mtp_right_guesses_halve_the_steps(models, monkeypatch):
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_right_guesses_cut_the_steps(models, monkeypatch, k):
+    """Every guess right (the block's chain too): k + 1 tokens a step, a step after a prompt
+    checking only its first guess."""
     ps = prompts(2, seed=4)
     reqs = [(f"r{i}", p, greedy(20, ignore_eos=True)) for i, p in enumerate(ps)]
     want, _, plain_steps = run(engine(models), reqs)
     oracle(monkeypatch, {r: p + want[r] for r, p, _ in reqs})
-    e = mtp_engine(models)
+    e = mtp_engine(models, k=k)
     got, _, steps = run(e, reqs)
     st = e.stats()
     assert got == want
-    assert st["spec_tokens"] >= 1.8 * st["spec_seqs"] and steps < 0.6 * plain_steps, (st, steps)
+    assert st["spec_tokens"] >= (1 + 0.8 * k) * st["spec_seqs"], st
+    assert steps < (0.6 if k == 1 else 0.45) * plain_steps, (st, steps, plain_steps)
 
 
-@pytest.mark.parametrize("right,graphs", [(False, False), (True, False), (False, True)])
-def test_mtp_draft_equals_a_fresh_forward(models, monkeypatch, right, graphs):
-    """Mid-generation, each running sequence's latest MTP guess == reference_draft over its
+@pytest.mark.parametrize("right,graphs,k", [(False, False, 1), (True, False, 1),
+                                             (False, True, 1), (False, False, 3),
+                                             (False, True, 2)])
+def test_mtp_draft_equals_a_fresh_forward(models, monkeypatch, right, graphs, k):
+    """Mid-generation, each running sequence's latest MTP guesses == reference_drafts over its
     tokens: with the block's own guesses (mostly rejected: one kept row a step) and with right
-    ones (two rows a step), after prompts prefilled in chunks of 16 tokens; and through the
-    graphs' paths (eager_graphs: the one-replay greedy step)."""
+    ones (two rows a step), after prompts prefilled in chunks of 16 tokens; k guesses a step
+    (the block on its own output: its rows past the kept tokens rewritten as they come); and
+    through the graphs' paths (eager_graphs: the one-replay greedy step)."""
     ps = prompts(2, seed=6)
     reqs = [(f"r{i}", p, greedy(30, ignore_eos=True)) for i, p in enumerate(ps)]
     own = None
     if right:
         want, _, _ = run(engine(models), reqs)
         own = oracle(monkeypatch, {r: p + want[r] for r, p, _ in reqs})
-    e = mtp_engine(models, max_num_batched_tokens=16)
+    e = mtp_engine(models, k=k, max_num_batched_tokens=16)
     if graphs:
         eager_graphs(monkeypatch, e)
     for rid, p, params in reqs:
         e.add_request(p, params, rid)
     for _ in range(9):
         e.step()
-    seqs = [s for s in e.requests.values() if s.mtp_draft is not None]
+    seqs = [s for s in e.requests.values() if s.mtp_drafts]
     assert len(seqs) == 2 and all(s.num_output_tokens > 4 for s in seqs)
+    assert all(len(s.mtp_drafts) == k for s in seqs)  # (a speculative step's: k guesses)
     st = e.stats()
     if right:
         assert st["spec_tokens"] >= 1.8 * st["spec_seqs"], st
         monkeypatch.undo()  # (the reference: the block's own guess)
     for s in seqs:
-        guess = own[s.request_id] if right else s.mtp_draft
-        assert guess == reference_draft(models, s.token_ids), s.request_id
+        guesses = [own[s.request_id]] if right else s.mtp_drafts
+        assert guesses == reference_drafts(models, s.token_ids, k), s.request_id
 
 
-def test_mtp_limits_preemption_and_multi_step_decode(models):
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_limits_preemption_and_multi_step_decode(models, k):
     """With the MTP head drafting: the context limit inside a step, a seeded sampled request
     beside greedy ones (outside speculation), a KV pool that preempts (the block's KV and draft
     recomputed with the prompt), and multi-step decode while the batch is too big to check
     (decode_steps 4, 3 sequences, checks of at most 2; no drafts kept), then checks: every
-    output as without it."""
+    output as without it; k guesses a step (the chain's rows too near the context limit)."""
     ps = [p[:10] for p in prompts(4, seed=8)]
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
     for kw, reqs in (
@@ -149,13 +168,34 @@ def test_mtp_limits_preemption_and_multi_step_decode(models):
             (dict(decode_steps=4),  # x ends early: then y and z speculate, no drafts at first
              [(r, p, greedy(n, ignore_eos=True)) for r, p, n in zip("xyz", ps, (6, 24, 24))])):
         want, want_reasons, _ = run(engine(models, **kw), reqs)
-        e = mtp_engine(models, **kw)
+        e = mtp_engine(models, k=k, **kw)
         if "decode_steps" in kw:
             e.runner.max_check_seqs = 2  # (as captured checks cap it on a GPU)
         got, reasons, _ = run(e, reqs)
         assert got == want and reasons == want_reasons and e.stats()["spec_steps"] > 0
         if "e" in got:
             assert e.scheduler.num_preemptions > 0
+
+
+def test_mtp_chain_stays_inside_the_context(models, monkeypatch):
+    """Right guesses (4 tokens a step at k = 3) up to the context limit: the chain's rows reach
+    2k positions past the computed ones, so sequences closer to the limit decode plainly; no
+    block table grows past max_model_len (the captured graphs' width) and the output is plain
+    greedy's."""
+    reqs = [("c", [5] * 30, greedy(40, ignore_eos=True)), ("d", [7] * 20, greedy(60))]
+    want, want_reasons, _ = run(engine(models, max_model_len=64), reqs)
+    oracle(monkeypatch, {r: p + want[r] for r, p, _ in reqs})
+    e = mtp_engine(models, k=3, max_model_len=64)
+    widest, grow = [0], e.block_manager.grow
+
+    def grown(seq, n):
+        grow(seq, n)
+        widest[0] = max(widest[0], len(seq.block_table))
+
+    e.block_manager.grow = grown
+    got, reasons, _ = run(e, reqs)
+    assert got == want and reasons == want_reasons and reasons["c"] == "length"
+    assert widest[0] == 64 // 16 and e.stats()["spec_tokens"] >= 3 * e.stats()["spec_seqs"]
 
 
 def test_mtp_sampled_requests_run(models):
@@ -204,14 +244,15 @@ def test_device_acceptance_matches_the_host_lists():
 
 
 @CUDA
-def test_cuda_mtp_greedy_output_is_unchanged(models):
+@pytest.mark.parametrize("k", [1, 2])
+def test_cuda_mtp_greedy_output_is_unchanged(models, k):
     """On CUDA (bf16; decode, the checks and the MTP block in CUDA graphs, the checks' hidden
     states read from the graphs; greedy steps as one replay with the acceptance on the device,
     ModelRunner.check_greedy_mtp): plain greedy's tokens."""
     ps = prompts(2)
     reqs = [(f"r{i}", p, greedy(32, ignore_eos=True)) for i, p in enumerate(ps)]
     want, _, _ = run(engine(models, device="cuda"), reqs)
-    e = mtp_engine(models, device="cuda")
+    e = mtp_engine(models, device="cuda", k=k)
     assert e.runner.checks is not None  # (the checks as graphs)
     fused, real = [], e.runner.check_greedy_mtp
     e.runner.check_greedy_mtp = lambda *a: fused.append(real(*a)) or fused[-1]
@@ -261,13 +302,16 @@ def eager_graphs(monkeypatch, e: LLMEngine) -> None:
     r.max_check_seqs = 4
 
 
-def fused_and_host(models, device: str, right: bool, prepare=None) -> tuple[list, dict, dict]:
+def fused_and_host(models, device: str, right: bool, prepare=None, k: int = 1
+                   ) -> tuple[list, dict, dict]:
     """Three greedy requests (one ending at a stop token of its plain greedy output, the others
     at max_tokens) run by an MTP engine twice: with the one-replay greedy step and with the
     host's check / commit / mtp calls (check_greedy_mtp off); with `right` each draft is set
-    right before every step. prepare(engine): its set-up (eager_graphs on the CPU). Returns per
+    right before every step; k guesses a step. prepare(engine): its set-up (eager_graphs on the
+    CPU). Returns per
     run (ids, finish reasons, steps, spec_tokens, spec_seqs, the drafts after every step, the
-    one-replay calls' results), and plain greedy's ids and finish reasons."""
+    one-replay calls' results, the MTP block's KV after every step), and plain greedy's ids
+    and finish reasons."""
     ps = prompts(3, seed=9)
     reqs = [(f"r{i}", p, greedy(20 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
     want, _, _ = run(engine(models, device=device), reqs)
@@ -276,7 +320,7 @@ def fused_and_host(models, device: str, right: bool, prepare=None) -> tuple[list
     full = {r: p + want[r] for r, p, _ in reqs}
     runs = []
     for fused in (True, False):
-        e = mtp_engine(models, device=device)
+        e = mtp_engine(models, device=device, k=k)
         if prepare is not None:
             prepare(e)
         calls, real = [], e.runner.check_greedy_mtp
@@ -286,47 +330,54 @@ def fused_and_host(models, device: str, right: bool, prepare=None) -> tuple[list
             return calls[-1]
 
         e.runner.check_greedy_mtp = counted_call if fused else (lambda *a: None)
-        drafts, step = [], e.step
+        drafts, caches, step = [], [], e.step
+        attn = e.runner.model.mtp.layer.self_attn
 
-        def stepped(step=step, e=e, drafts=drafts):
+        def stepped(step=step, e=e, drafts=drafts, caches=caches, attn=attn):
             for s in e.requests.values():
                 n = len(s.token_ids)
-                if right and s.mtp_draft is not None and n < len(full[s.request_id]):
-                    s.mtp_draft = full[s.request_id][n]
+                if right and s.mtp_drafts:
+                    s.mtp_drafts = (full[s.request_id][n:] + s.mtp_drafts)[:len(s.mtp_drafts)]
             outs = step()
-            drafts.append(sorted((s.request_id, s.mtp_draft) for s in e.requests.values()))
+            drafts.append(sorted((s.request_id, s.mtp_drafts) for s in e.requests.values()))
+            caches.append(torch.cat([attn.k_cache.flatten(), attn.v_cache.flatten()]).cpu())
             return outs
 
         e.step = stepped
         got, reasons, steps = run(e, reqs)
         st = e.stats()
-        runs.append((got, reasons, steps, st["spec_tokens"], st["spec_seqs"], drafts, calls))
+        runs.append((got, reasons, steps, st["spec_tokens"], st["spec_seqs"], drafts, calls,
+                     caches))
         assert st["num_slots_free"] == 4 and st["num_blocks_free"] == 80
     fused_run, host_run = runs
     assert fused_run[6] and all(c is not None for c in fused_run[6]) and not host_run[6]
     assert fused_run[:6] == host_run[:6] and fused_run[1]["r1"] == "stop"
+    # the MTP block's KV after every step (its rows' slots, and through the chain's inputs
+    # their context): equal bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(fused_run[7], host_run[7]))
     if right:  # tokens per sequence and step: most guesses kept
-        assert fused_run[3] >= 1.5 * fused_run[4], fused_run[2:5]
+        assert fused_run[3] >= (1 + 0.5 * k) * fused_run[4], fused_run[2:5]
     return runs, want, want_reasons
 
 
-@pytest.mark.parametrize("right", [False, True])
-def test_graph_paths_on_the_cpu(models, monkeypatch, right):
+@pytest.mark.parametrize("right,k", [(False, 1), (True, 1), (False, 2), (True, 2), (True, 3)])
+def test_graph_paths_on_the_cpu(models, monkeypatch, right, k):
     """eager_graphs: the one-replay greedy step (device acceptance, counting, commit, MTP
-    masks) and the host's calls over the same "graphs" give each other's tokens, finish
-    reasons and drafts every step (fused_and_host), and plain greedy's tokens and reasons."""
+    masks, the chain's rows) and the host's calls over the same "graphs" give each other's
+    tokens, finish reasons and drafts every step (fused_and_host), and plain greedy's tokens
+    and reasons."""
     runs, want, want_reasons = fused_and_host(models, "cpu", right,
-                                              lambda e: eager_graphs(monkeypatch, e))
+                                              lambda e: eager_graphs(monkeypatch, e), k)
     assert runs[0][0] == want and runs[0][1] == want_reasons
 
 
 @CUDA
-@pytest.mark.parametrize("right", [False, True])
-def test_cuda_fused_greedy_step_equals_the_host_steps(models, right):
+@pytest.mark.parametrize("right,k", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_cuda_fused_greedy_step_equals_the_host_steps(models, right, k):
     """On CUDA the one-replay greedy step gives what the host's calls over the same graphs give
     (fused_and_host: bit-identical inputs to the same kernels): the same tokens, finish reasons,
     kept counts and drafts every step."""
-    fused_and_host(models, "cuda", right)
+    fused_and_host(models, "cuda", right, k=k)
 
 
 @CUDA
@@ -355,7 +406,7 @@ def test_cuda_mtp_graph_guesses_as_the_eager_block(models):
     replays = []
     real = g.run_mtp
     g.run_mtp = lambda *a: replays.append(1) or real(*a)
-    got = r.mtp(batch, hidden, ids.tolist())
+    got, _ = r.mtp(batch, hidden, ids.tolist())
     assert replays == [1]
     with torch.inference_mode():
         logits = r.model.mtp_logits(hidden, ids, r.prepare(batch))

@@ -142,8 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "one guess a step); the model then checks its guesses several at a time: "
                     "greedy output unchanged, sampled output from the model's distribution")
     ap.add_argument("--num-speculative-tokens", type=int,
-                    help="the drafter's guesses per step (with --drafter; default 4, the "
-                    "engine's)")
+                    help="guesses checked per step (with --drafter; the engine's default: "
+                    "4 for a drafter, 1 for mtp)")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
