@@ -6,6 +6,7 @@
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right   # its guesses all right
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+host  # the host's calls
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+k2    # two guesses a step
+    python3 perf/diag_speculative.py --variant mixed@8+mtp --kernels $OUT/k.txt  # + kernels
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from collections import defaultdict
 
@@ -63,12 +65,51 @@ def right_guesses(e, tokens: int) -> None:
     e.step = right
 
 
+def graph_kernels(graphs: dict[str, torch.cuda.CUDAGraph], path: str, reps: int = 5) -> dict:
+    """Kernel times (torch.profiler, CUDA activity) of `reps` replays of each named graph, in
+    us per replay by bench_decode.CATEGORIES, and each graph's top kernels to `path`: where a
+    check's time over a decode step's goes. The replays reuse the graphs' last inputs (a check
+    graph reads states and writes KV only: run it after the timed decodes)."""
+    from bench_decode import CATEGORIES
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    with open(path, "w") as f:
+        for name, g in graphs.items():
+            g.replay()
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    g.replay()
+                sync()
+            cats: dict[str, float] = defaultdict(float)
+            rows = []
+            for ev in prof.key_averages():
+                us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+                if us <= 0:
+                    continue
+                cat = next((c for c, rx in CATEGORIES if re.search(rx, ev.key, re.I)), "other")
+                cats[cat] += us / reps
+                rows.append((us / reps, ev.count / reps, cat, ev.key))
+            rows.sort(reverse=True)
+            f.write(f"# {name}: us per replay, launches per replay, kernel\n")
+            for us, n, cat, key in rows[:40]:
+                f.write(f"{us:10.1f} {n:7.2f} {cat:13s} {key[:140]}\n")
+            out[name] = {"us": {c: round(v, 1) for c, v in sorted(cats.items())},
+                         "total_us": round(sum(cats.values()), 1),
+                         "launches": round(sum(r[1] for r in rows), 1)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", default="mixed@8+draft")
     ap.add_argument("--preset", default="volundr-32b")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", default=None,
+                    help="a text file for the profiled kernels of the decode graph and the "
+                    "smallest check graph (GPU only)")
     args = ap.parse_args()
     base, *sfx = args.variant.split("+")
     variant, _, steps = base.partition("@")
@@ -118,6 +159,13 @@ def main() -> None:
         if g is not None and g.graphs:
             res[f"{name}_graph_ms"] = replay_ms(g.graphs[min(g.graphs)][0], 20)
     res["decode_graph_ms"] = graph_ms(e, 1, 20)
+    if args.kernels and dev == "cuda":
+        named = {"decode": t_runner.graphs.graphs[1]}
+        for name in ("checks", "mtp_graphs"):
+            g = getattr(t_runner, name, None)
+            if g is not None and g.graphs:
+                named[name] = g.graphs[min(g.graphs)][0]
+        res["kernels"] = graph_kernels(named, args.kernels)
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:
