@@ -117,7 +117,11 @@ def main() -> None:
     # right ones (plain greedy's ids from an untimed first run): the upper bound; +host = the
     # greedy step as the host's check / commit / mtp calls, not one replay with the acceptance
     # on the device (ModelRunner.check_greedy_mtp). +mtpeager, +mtpright: +mtp+eager, +mtp+right
-    flags = {f for x in sfx for f in ("eager", "right", "host") if x in (f, "mtp" + f)}
+    # +accept: every guess accepted whatever it is (greedy acceptance replaced; the tokens are
+    # not the model's): a perfect head's step times, free of bf16 near-ties that make a first
+    # run's ids drift from a second's (+right then keeps fewer)
+    flags = {f for x in sfx for f in ("eager", "right", "host", "accept")
+             if x in (f, "mtp" + f)}
     mtp = any(x[:3] == "mtp" for x in sfx)
     draft = "self" if "draftself" in sfx else "mtp" if mtp else "random"
     k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), None)
@@ -131,6 +135,11 @@ def main() -> None:
     decode_rate(e, 1, 128, 8)  # warm-up (the drafter's prefill at the timed prompt's length too)
     if "right" in flags:
         right_guesses(e, args.tokens)
+    if "accept" in flags:
+        import volundr.check_layout as cl
+
+        cl.greedy_lengths = lambda a, toks, q: q.long()
+        spec.greedy_kept = lambda a, guesses: a[:len(guesses) + 1]
     before = e.stats()
     clean = decode_rate(e, 1, 128, args.tokens)  # no timers (their syncs cost)
     spec_stats = {k: v - before[k] for k, v in e.stats().items() if k.startswith("spec_")}
