@@ -133,7 +133,7 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     EngineConfig and caches."""
     from google.protobuf import json_format
 
-    from volundr.engine import EngineConfig
+    from volundr.engine import DRAFT_TOKENS, MTP_TOKENS, EngineConfig
     from volundr.llm import LLM
     from volundr.sampling_params import SamplingParams
     from volundr.serve.launcher import build_options, parse_args
@@ -178,13 +178,17 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     assert kw["num_speculative_tokens"] is None
     with LLM(tiny_dir, **kw) as llm:
         assert llm.engine.ecfg.num_speculative_tokens == EngineConfig.num_speculative_tokens
+        assert llm.engine.spec_k == DRAFT_TOKENS and llm.engine.check_len == DRAFT_TOKENS + 1
     kw = engine_kwargs("--drafter", "mtp")  # the model's MTP head: no drafter checkpoint
     assert kw["draft_model"] == "mtp"
-    with LLM(tiny_dir, **kw) as llm:
-        assert llm.engine.mtp and llm.engine.drafter is None and llm.engine.check_len == 2
-        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
-                                                          ignore_eos=True))
-        assert len(out[0]["token_ids"]) == 6 and llm.engine.stats()["spec_steps"] > 0
+    for k in (None, 3):  # (unset: MTP_TOKENS, the MTP head's default)
+        extra = () if k is None else ("--num-speculative-tokens", str(k))
+        with LLM(tiny_dir, **engine_kwargs("--drafter", "mtp", *extra)) as llm:
+            assert llm.engine.mtp and llm.engine.drafter is None
+            assert llm.engine.check_len == (k or MTP_TOKENS) + 1
+            out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
+                                                              ignore_eos=True))
+            assert len(out[0]["token_ids"]) == 6 and llm.engine.stats()["spec_steps"] > 0
 
 
 @pytest.mark.server
