@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from volundr.model import ForwardBatch
@@ -26,9 +27,10 @@ def check_layout(batch: list[ScheduledSeq], L: int, block_size: int, max_order: 
     lengths[i] tokens; only cu and slots):
       cu [2n + 1]: sequence i's tokens are rows cu[2i]:cu[2i + 1], its gap cu[2i + 1]:cu[2i + 2]
       slots [2n]: (slot, -1) per sequence
-      slot_mapping, ngrams, ctx, tables [n L]: each row's KV slot (-1: none), n-gram window,
-        context (position + 1; 1 in a gap) and block table."""
-    out = dict(cu=[0], slots=[], slot_mapping=[], ngrams=[], ctx=[], tables=[])
+      slot_mapping, ngrams, ctx [n L]: each row's KV slot (-1: none), n-gram window and
+        context (position + 1; 1 in a gap).
+    (The block tables come from the runner's TableMirror: ModelRunner.check_layout.)"""
+    out = dict(cu=[0], slots=[], slot_mapping=[], ngrams=[], ctx=[])
     for i, item in enumerate(batch):
         seq, s = item.seq, item.seq.num_computed_tokens
         q = item.num_new_tokens if lengths is None else lengths[i]
@@ -45,23 +47,23 @@ def check_layout(batch: list[ScheduledSeq], L: int, block_size: int, max_order: 
                 seq.block_table[p // block_size] * block_size + p % block_size if live else -1)
             out["ngrams"].append(window[j:j + max_order] if live else [pad_id] * max_order)
             out["ctx"].append(p + 1 if live else 1)
-            out["tables"].append(seq.block_table)
     return out
 
 
 def check_batch(lay: dict[str, list], L: int, max_order: int,
                 to_device: Callable[[list[int], torch.dtype], torch.Tensor]) -> ForwardBatch:
-    """The eager ForwardBatch of a check layout: every row's logits, attention by rows, the
-    kernels' host dispatch bounded by L tokens per sequence (max_q_len)."""
+    """The eager ForwardBatch of a check layout (with its "tables" [n, width]: each sequence's
+    block table): every row's logits, attention by rows, the kernels' host dispatch bounded by
+    L tokens per sequence (max_q_len)."""
     T, n2 = len(lay["slot_mapping"]), len(lay["slots"])
-    width = max(len(t) for t in lay["tables"])
-    tables = [t + [0] * (width - len(t)) for t in lay["tables"]]
+    tables = np.repeat(lay["tables"], L, axis=0)  # each row its sequence's table
     i64 = lay["slots"] + lay["slot_mapping"] + [i for row in lay["ngrams"] for i in row]
-    i32 = lay["cu"] + list(range(T + 1)) + lay["ctx"] + [i for t in tables for i in t]
+    i32 = np.concatenate([np.asarray(lay["cu"] + list(range(T + 1)) + lay["ctx"], np.int32),
+                          tables.ravel()])
     a64, a32 = to_device(i64, torch.long), to_device(i32, torch.int32)
     slot_ids, slot_map, ngram_ids = a64.split([n2, T, T * max_order])
-    cu, rows_cu, ctx, table = a32.split([n2 + 1, T + 1, T, T * width])
-    table = table.view(T, width)
+    cu, rows_cu, ctx, table = a32.split([n2 + 1, T + 1, T, tables.size])
+    table = table.view(T, -1)
     return ForwardBatch(
         cu_seqlens=cu, cu_list=lay["cu"], slot_ids=slot_ids, slot_mapping=slot_map,
         block_tables=table, context_lens=ctx, max_q_len=L, max_context_len=max(lay["ctx"]),

@@ -11,6 +11,7 @@ place, so a step's only inputs are small index tensors.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from volundr.model import ForwardBatch
@@ -345,11 +346,11 @@ class CheckGraphs:
         n = len(lay["slots"]) // 2
         size, L, m = self._size(n), self.L, self.ngram_ids.shape[1]
         T, Tn, pad = n * L, size * L, self.model.cfg.engram.pad_id
-        width = max(len(t) for t in lay["tables"])
+        width = lay["tables"].shape[1]  # [n, width]: each sequence's block table
         i64 = (lay["slots"] + [-1] * (2 * (size - n)) + lay["slot_mapping"] + [-1] * (Tn - T)
                + [i for row in lay["ngrams"] for i in row] + [pad] * ((Tn - T) * m))
-        i32 = (self._padded_cu(lay, size) + lay["ctx"] + [1] * (Tn - T)
-               + [i for t in lay["tables"][::L] for i in t + [0] * (width - len(t))])
+        i32 = np.concatenate([np.asarray(self._padded_cu(lay, size) + lay["ctx"]
+                                         + [1] * (Tn - T), np.int32), lay["tables"].ravel()])
         a64, a32 = (torch.tensor(v, dtype=d).pin_memory().to(self.device, non_blocking=True)
                     for v, d in ((i64, torch.long), (i32, torch.int32)))
         slots, slot_map, ngrams = a64.split([2 * size, Tn, Tn * m])

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from volundr.block_manager import TableMirror
 from volundr.check_layout import check_batch, check_layout
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
@@ -75,6 +77,8 @@ class ModelRunner:
         self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_model_len = max_model_len
+        # the block tables' host rows (the scratch slot's too), appended to as they grow
+        self.tables = TableMirror(num_slots + 1, -(-max_model_len // block_size))
         with torch.device("meta"):
             model = VolundrForCausalLM(cfg, self.tp)
         if cfg.quantization is not None:
@@ -249,7 +253,7 @@ class ModelRunner:
         bs, m = self.block_size, self.cfg.engram.max_order
         pad = self.cfg.engram.pad_id
         slot_mapping, ngrams, logits_idx = [], [], []
-        cu, ctx, tables, embed_rows, embeds = [0], [], [], [], []
+        cu, ctx, embed_rows, embeds = [0], [], [], []
         for item in batch:
             seq, s = item.seq, item.seq.num_computed_tokens
             e = s + item.num_new_tokens
@@ -263,20 +267,19 @@ class ModelRunner:
                     embeds.append(vec)
             cu.append(cu[-1] + e - s)
             ctx.append(e)
-            tables.append(seq.block_table)
             if item.samples:
                 logits_idx.append(cu[-1] - 1)
-        width = max(len(t) for t in tables)
+        table = self.tables.rows([item.seq for item in batch])
         N, T, M = len(batch), cu[-1], len(logits_idx)
         ngram_on_device = self.model.lookups_on_gpu or self.device.type == "cpu"
         # Every index tensor of the step in two host buffers (int64, int32), one copy each.
         i64 = [item.seq.slot for item in batch] + slot_mapping + logits_idx
         if ngram_on_device:
             i64 += [i for row in ngrams for i in row]
-        i32 = cu + ctx + [i for t in tables for i in t + [0] * (width - len(t))]
+        i32 = np.concatenate([np.asarray(cu + ctx, dtype=np.int32), table.ravel()])
         a64, a32 = self._to_device(i64, torch.long), self._to_device(i32, torch.int32)
         slot_ids, slot_map, logits_indices, ngram_ids = a64.split([N, T, M, len(i64) - N - T - M])
-        cu_seqlens, context_lens, table = a32.split([N + 1, N, N * width])
+        cu_seqlens, context_lens, table = a32.split([N + 1, N, table.size])
         if ngram_on_device:
             ngram_ids = ngram_ids.view(T, m)
         else:  # tensor-parallel ranks look the rows up on the host
@@ -287,7 +290,7 @@ class ModelRunner:
             cu_list=cu,
             slot_ids=slot_ids,
             slot_mapping=slot_map,
-            block_tables=table.view(N, width),
+            block_tables=table.view(N, -1),
             context_lens=context_lens,
             max_q_len=max(item.num_new_tokens for item in batch),
             max_context_len=max(ctx),
@@ -299,7 +302,7 @@ class ModelRunner:
             b.embeds = torch.stack(embeds).to(self.device, non_blocking=True)
         return b
 
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
         if self.device.type == "cuda":  # pinned: the copy is asynchronous
             t = t.pin_memory().to(self.device, non_blocking=True)
@@ -356,9 +359,13 @@ class ModelRunner:
     # ---- speculative checks (volundr.speculative; rows: volundr.check_layout) -------------
     def check_layout(self, batch: list[ScheduledSeq], L: int,
                      lengths: list[int] | None = None) -> dict[str, list]:
-        """Host lists of a check (or, with `lengths`, its commit) of `batch`, L rows each."""
+        """Host lists of a check (or, with `lengths`, its commit) of `batch`, L rows each; a
+        check's also "tables": the sequences' block tables [n, width] (TableMirror.rows)."""
         e = self.cfg.engram
-        return check_layout(batch, L, self.block_size, e.max_order, e.pad_id, lengths)
+        lay = check_layout(batch, L, self.block_size, e.max_order, e.pad_id, lengths)
+        if lengths is None:
+            lay["tables"] = self.tables.rows([item.seq for item in batch])
+        return lay
 
     def _check_batch(self, lay: dict[str, list], L: int) -> ForwardBatch:
         """Eager ForwardBatch of a check layout (the graphs fill static buffers instead)."""

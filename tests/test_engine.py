@@ -206,6 +206,44 @@ def test_block_manager_and_slots_bookkeeping():
         slots.free(a)
 
 
+def test_table_mirror_follows_growing_freed_and_moved_tables():
+    """TableMirror.rows == the block tables zero-padded, every step of a random life: tables
+    growing by a block now and then, freed and regrown in the same slot (a new list), another
+    sequence taking a freed slot, a sequence moving slots (preempted), a table longer than the
+    mirror's width (it widens)."""
+    from volundr.block_manager import TableMirror
+
+    gen = torch.Generator().manual_seed(0)
+    bm, mirror = BlockManager(400, 4), TableMirror(4, 6)
+    seqs = [Sequence(f"s{i}", [1], SamplingParams()) for i in range(4)]
+    for i, s in enumerate(seqs):
+        s.slot = i
+    copied, full = [], 0  # entries changed per step; what rebuilding every row would write
+    for _ in range(60):
+        for s in seqs:
+            r = int(torch.randint(0, 25, (1,), generator=gen))
+            if r == 0:
+                bm.free(s)  # (a new, empty list)
+            elif r == 1:  # preempted into the other free slot... swap two sequences' slots
+                t = seqs[int(torch.randint(0, 4, (1,), generator=gen))]
+                s.slot, t.slot = t.slot, s.slot
+            if r < 10:
+                bm.grow(s, len(s.block_table) * 4 + int(torch.randint(1, 6, (1,), generator=gen)))
+        batch = [s for s in seqs if s.block_table][::-1]
+        if not batch:
+            continue
+        before = mirror.array.copy()
+        got = mirror.rows(batch)
+        width = max(len(s.block_table) for s in batch)
+        want = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        assert got.tolist() == want
+        if before.shape == mirror.array.shape:
+            copied.append(int((before != mirror.array).sum()))
+            full += sum(len(s.block_table) for s in batch)
+    assert mirror.array.shape[1] > 6  # widened
+    assert sum(copied) < full / 3, (sum(copied), full)
+
+
 def test_precomputed_input_embeddings_at_given_positions(tiny):
     """Image-style inputs: vectors replace the embedding rows of placeholder positions; the
     engine (chunked across them or not) matches the reference forward with the same vectors."""
