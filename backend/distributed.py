@@ -77,22 +77,40 @@ class _SeqView:
     resume: object = None  # volundr.session.Resume: this rank's parked shard to restore
 
 
-def make_plan(batch: list[ScheduledSeq], max_order: int) -> list[tuple]:
+def make_plan(batch: list[ScheduledSeq], max_order: int,
+              sent: dict[int, tuple[list[int], int]]) -> list[tuple]:
+    """What the workers need of a step. Block tables go as (from, entries): what each grew
+    since the plan before (a long table is not resent every step); from 0: the whole table, a
+    new one (another sequence in the slot, one freed and regrown: a new list, as
+    block_manager.TableMirror tells them apart). sent[slot] = (the table sent, its length),
+    updated."""
     plan = []
     for item in batch:
         seq, s = item.seq, item.seq.num_computed_tokens
         start = max(0, s - max_order + 1)  # the Engram n-grams reach max_order - 1 back
         e = s + item.num_new_tokens
         embeds = {p: v for p, v in seq.input_embeds.items() if s <= p < e}
-        plan.append((seq.slot, list(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
+        t, (prev, n) = seq.block_table, sent.get(seq.slot, (None, 0))
+        n = n if prev is t and n <= len(t) else 0
+        sent[seq.slot] = (t, len(t))
+        plan.append((seq.slot, (n, t[n:]), seq.num_computed_tokens, seq.num_tokens,
                      start, seq.token_ids[start:e], item.num_new_tokens, embeds, seq.resume))
     return plan
 
 
-def batch_from_plan(plan: list[tuple]) -> list[ScheduledSeq]:
-    return [ScheduledSeq(_SeqView(slot, table, done, total, _Window(start, ids), embeds,
-                                  resume), new)
-            for slot, table, done, total, start, ids, new, embeds, resume in plan]
+def batch_from_plan(plan: list[tuple], tables: dict[int, list[int]]) -> list[ScheduledSeq]:
+    """A worker's batch of a plan; tables[slot]: its copy of each slot's block table, grown or
+    replaced as the plan says (make_plan)."""
+    out = []
+    for slot, (n, grown), done, total, start, ids, new, embeds, resume in plan:
+        if n == 0:
+            tables[slot] = list(grown)
+        else:
+            assert len(tables[slot]) == n, "a block table out of step with rank 0's"
+            tables[slot] += grown
+        out.append(ScheduledSeq(_SeqView(slot, tables[slot], done, total, _Window(start, ids),
+                                         embeds, resume), new))
+    return out
 
 
 # ---- weights in shared memory ---------------------------------------------------------------
@@ -160,7 +178,7 @@ def _worker_main(rank: int, tp: int, port: int, cfg: VolundrConfig, runner_kw: d
                              tp_size=tp, **runner_kw)
         del host, buf
         conn.send(("ready", rank))
-        graphs = runner.graphs
+        graphs, tables = runner.graphs, {}  # (tables: each slot's block table, make_plan)
         while (msg := conn.recv()) is not None:
             if msg[0] == "graphs":  # rank 0 switched decode to eager or back (benchmarks)
                 runner.graphs = graphs if msg[1] else None
@@ -169,7 +187,7 @@ def _worker_main(rank: int, tp: int, port: int, cfg: VolundrConfig, runner_kw: d
                 getattr(runner, msg[1])(*msg[2])
                 continue
             _, plan, steps, stop_ids = msg
-            batch = batch_from_plan(plan)
+            batch = batch_from_plan(plan, tables)
             if steps == 1:
                 runner.run(batch)
             else:
@@ -209,6 +227,7 @@ class TensorParallelRunner:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # raise, don't kill us
         self.tp, self.failed = tp, None
         self.max_order = cfg.engram.max_order
+        self._sent: dict[int, tuple[list[int], int]] = {}  # make_plan's block tables sent
         # VOLUNDR_TP_ALLREDUCE=symm: decode-sized all-reduces through symmetric memory
         # (parallel.enable_one_shot; prepared, not yet run on GPUs), else NCCL
         all_reduce = os.environ.get("VOLUNDR_TP_ALLREDUCE", "nccl")
@@ -321,7 +340,7 @@ class TensorParallelRunner:
 
     def _step(self, batch: list[ScheduledSeq], steps: int, stop_ids=None):
         self.check()
-        msg = ("run", make_plan(batch, self.max_order), steps, stop_ids)
+        msg = ("run", make_plan(batch, self.max_order, self._sent), steps, stop_ids)
         try:
             for c in self.conns:
                 c.send(msg)

@@ -396,7 +396,7 @@ class LLMEngine:
             tok = next(it)
             seq.token_ids.append(tok)
             reason = self._end_reason(seq, tok)
-            new = seq.output_token_ids[seq.num_emitted:]
+            new = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]  # (no copy of all)
             if reason == "stop":  # a stop or eos token ends the request without being emitted
                 new = new[:-1]
             seq.num_emitted += len(new)

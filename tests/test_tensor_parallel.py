@@ -143,7 +143,7 @@ def _kill_and_step(engine: LLMEngine, how: str) -> str:
     if how == "kill":
         os.kill(engine.runner.procs[0].pid, signal.SIGKILL)
     else:  # a plan naming a state slot that does not exist: the worker raises in its forward
-        engine.runner.conns[0].send(("run", [(99, [0], 0, 1, 0, [5], 1, {}, None)], 1, None))
+        engine.runner.conns[0].send(("run", [(99, (0, [0]), 0, 1, 0, [5], 1, {}, None)], 1, None))
     with pytest.raises(WorkerError) as err:
         engine.step()
     assert not engine.has_unfinished()  # its requests failed and freed their blocks
