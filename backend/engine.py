@@ -39,6 +39,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 # head's (a second guess from its block applied to its own output is right less often; one
 # guess pays above ~55% kept, H100 session 28)
 DRAFT_TOKENS, MTP_TOKENS = 4, 1
+# A sequence's speculative steps before EngineConfig.spec_min_tokens judges them
+SPEC_TRIAL_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class EngineConfig:
     # guesses checked per decode step; None: DRAFT_TOKENS with a drafter, MTP_TOKENS with the
     # MTP head (its block applied to its own output for each guess after the first).
     num_speculative_tokens: int | None = None
+    # A sequence whose speculative steps made fewer tokens than this a step on average, after
+    # SPEC_TRIAL_STEPS of them, decodes plainly from then on: a step checking k guesses costs
+    # 1.48x (k = 1) to 2.3x (k = 6) a plain one (H100, session 29), so a drafter that rarely
+    # guesses right loses (random weights' MTP head: 0.69x). 0: never stop.
+    spec_min_tokens: float = 1.3
 
     def __post_init__(self) -> None:
         kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)  # a clear ValueError if unknown
@@ -80,6 +87,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if self.session_gib < 0:
             raise ValueError("session_gib must be >= 0")
+        if self.spec_min_tokens < 0:
+            raise ValueError("spec_min_tokens must be >= 0")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool ({self.num_kv_blocks} blocks of {self.block_size} tokens) cannot "
@@ -141,6 +150,7 @@ class LLMEngine:
         self.drafter = None
         # speculative steps, the sequences they ran (a sequence per step), the tokens they made
         self.spec_steps = self.spec_seqs = self.spec_tokens = 0
+        self.spec_stopped = 0  # sequences that stopped speculating (spec_min_tokens)
         if draft is not None:
             dcfg, dsd = draft
             # the same slots and block tables as the model: its own states and KV cache (after
@@ -255,6 +265,10 @@ class LLMEngine:
             self.spec_steps += 1
             self.spec_seqs += len(spec)
             self.spec_tokens += sum(map(len, tokens))
+            for item, toks in zip(spec, tokens):
+                seq = item.seq
+                seq.spec_steps, seq.spec_tokens = seq.spec_steps + 1, seq.spec_tokens + len(toks)
+                self.spec_stopped += seq.spec_steps == SPEC_TRIAL_STEPS and not self._pays(seq)
             outs = self._postprocess_steps(spec, tokens)
             batch = [it for it in batch if it not in spec]
             if not batch:
@@ -304,6 +318,13 @@ class LLMEngine:
             bm.grow(item.seq, item.seq.num_computed_tokens + k)
         return k
 
+    def _pays(self, seq: Sequence) -> bool:
+        """Whether `seq` speculates: until SPEC_TRIAL_STEPS speculative steps, then while they
+        made at least spec_min_tokens tokens a step on average (judged once: a sequence that
+        stops, stops for good)."""
+        return (seq.spec_steps != SPEC_TRIAL_STEPS  # (past it: it passed)
+                or seq.spec_tokens >= self.ecfg.spec_min_tokens * SPEC_TRIAL_STEPS)
+
     def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
         decodes without input embeddings or seeded sampling (volundr.speculative) that have
@@ -320,7 +341,7 @@ class LLMEngine:
         for item in batch:
             s = item.seq
             if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and (s.params.seed is None or s.params.greedy)
+                    and (s.params.seed is None or s.params.greedy) and self._pays(s)
                     and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
                 r = min(s.params.max_tokens - s.num_output_tokens - 1,
                         self.ecfg.max_model_len - s.num_tokens - 1)
@@ -482,4 +503,5 @@ class LLMEngine:
             "spec_steps": self.spec_steps,
             "spec_seqs": self.spec_seqs,
             "spec_tokens": self.spec_tokens,
+            "spec_stopped": self.spec_stopped,
         }

@@ -73,7 +73,8 @@ class LLM:
                  tensor_parallel_size: int = 1, decode_steps: int = 1,
                  kv_cache_dtype: str = "auto", session_gib: float = DEFAULT_SESSION_GIB,
                  draft_model: str | Path | None = None,
-                 num_speculative_tokens: int | None = None):
+                 num_speculative_tokens: int | None = None,
+                 spec_min_tokens: float | None = None):
         """tensor_parallel_size N > 1: N ranks, one process per device (cuda:0..N-1, or N CPU
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
@@ -89,7 +90,8 @@ class LLM:
         EngineConfig's default; volundr.speculative: greedy output unchanged, sampled output
         from the model's distribution; seeded sampled requests decode as before); "mtp": the
         checkpoint's MTP head guesses them (speculate_mtp; default 1 a step, more by its block
-        applied to its own output)."""
+        applied to its own output). spec_min_tokens: a sequence whose first 16 speculative
+        steps made fewer tokens a step decodes plainly after them (None: EngineConfig's)."""
         from volundr.converter.loader import load_checkpoint, resolve_model_dir
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -121,7 +123,9 @@ class LLM:
                             decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype,
                             session_gib=session_gib,
                             **({} if num_speculative_tokens is None
-                               else {"num_speculative_tokens": num_speculative_tokens}))
+                               else {"num_speculative_tokens": num_speculative_tokens}),
+                            **({} if spec_min_tokens is None
+                               else {"spec_min_tokens": spec_min_tokens}))
         self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids, draft)
         del state_dict, draft
 

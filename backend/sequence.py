@@ -51,6 +51,8 @@ class Sequence:
         self.num_draft_computed = 0
         # the MTP head's guesses of the tokens after the last one (speculate_mtp; [] none yet)
         self.mtp_drafts: list[int] = []
+        # speculative steps this sequence ran and the tokens they made (LLMEngine._pays)
+        self.spec_steps = self.spec_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -444,8 +444,9 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
                         block_size=16,
                         num_kv_blocks=blocks, cuda_graphs=graphs, gpu_gib=gpu_gib,
                         decode_steps=decode_steps, tensor_parallel_size=tp,
-                        kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=spec_k)
-    return LLMEngine(cfg, sd, ecfg, eos_token_ids=(), draft=pair)
+                        kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=spec_k,
+                        spec_min_tokens=0.0)  # (random drafts: time the speculative steps
+    return LLMEngine(cfg, sd, ecfg, eos_token_ids=(), draft=pair)  # as such, never stop them)
 
 
 def main() -> None:

@@ -138,6 +138,7 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     from volundr.sampling_params import SamplingParams
     from volundr.serve.launcher import build_options, parse_args
     from volundr.serve.stack import llm_parameters
+    from volundr.serve.triton_env import SetupError
     from volundr.serve.triton_llm import llm_kwargs
 
     def engine_kwargs(*flags: str) -> dict:
@@ -189,6 +190,14 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
             out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
                                                               ignore_eos=True))
             assert len(out[0]["token_ids"]) == 6 and llm.engine.stats()["spec_steps"] > 0
+    # --spec-min-tokens: when a sequence stops speculating (unset: the engine's default)
+    assert engine_kwargs("--drafter", "mtp")["spec_min_tokens"] is None
+    kw = engine_kwargs("--drafter", "mtp", "--spec-min-tokens", "0")
+    assert kw["spec_min_tokens"] == 0.0
+    with LLM(tiny_dir, **kw) as llm:
+        assert llm.engine.ecfg.spec_min_tokens == 0.0
+    with pytest.raises(SetupError, match="spec-min-tokens"):
+        build_options(parse_args(["--model", str(tiny_dir), "--spec-min-tokens", "-1"]))
 
 
 @pytest.mark.server

@@ -198,6 +198,34 @@ def test_mtp_chain_stays_inside_the_context(models, monkeypatch):
     assert widest[0] == 64 // 16 and e.stats()["spec_tokens"] >= 3 * e.stats()["spec_seqs"]
 
 
+def test_sequences_stop_speculating_when_it_does_not_pay(models, monkeypatch):
+    """EngineConfig.spec_min_tokens: with the random head's own guesses (about one token a
+    step) each sequence stops after SPEC_TRIAL_STEPS speculative steps and decodes plainly,
+    its output unchanged; with guesses right (two tokens a step) or spec_min_tokens 0 none
+    stops."""
+    from volundr.engine import SPEC_TRIAL_STEPS
+
+    ps = prompts(2, seed=12)
+    reqs = [(f"r{i}", p, greedy(40, ignore_eos=True)) for i, p in enumerate(ps)]
+    want, _, plain_steps = run(engine(models), reqs)
+    for right, floor in ((False, 1.3), (False, 0.0), (True, 1.3)):
+        if right:
+            oracle(monkeypatch, {r: p + want[r] for r, p, _ in reqs})
+        e = mtp_engine(models, spec_min_tokens=floor)
+        got, _, steps = run(e, reqs)
+        st = e.stats()
+        assert got == want, (right, floor)
+        stops = not right and floor > 0
+        assert st["spec_stopped"] == (2 if stops else 0), (right, floor, st)
+        if stops:  # 16 speculative steps each, then plain ones
+            assert st["spec_seqs"] == 2 * SPEC_TRIAL_STEPS
+            assert st["spec_tokens"] < floor * st["spec_seqs"]
+        else:
+            assert st["spec_seqs"] > 2 * SPEC_TRIAL_STEPS
+    with pytest.raises(ValueError, match="spec_min_tokens"):
+        EngineConfig(device="cpu", dtype=torch.float32, num_kv_blocks=256, spec_min_tokens=-1)
+
+
 def test_mtp_sampled_requests_run(models):
     e = mtp_engine(models)
     reqs = [("s0", prompts(1, seed=8)[0], SamplingParams(max_tokens=16, temperature=0.8,

@@ -139,11 +139,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafter", help="speculative decoding: a drafter checkpoint directory or "
                     "Hugging Face repo id (Volundr-Draft, the model's tokenizer; `tiny`: the "
                     "tiny checkpoint's, built on first use; `mtp`: the model's own MTP head, "
-                    "one guess a step); the model then checks its guesses several at a time: "
+                    "1 guess a step by default); the model then checks its guesses several at "
+                    "a time: "
                     "greedy output unchanged, sampled output from the model's distribution")
     ap.add_argument("--num-speculative-tokens", type=int,
                     help="guesses checked per step (with --drafter; the engine's default: "
                     "4 for a drafter, 1 for mtp)")
+    ap.add_argument("--spec-min-tokens", type=float,
+                    help="a sequence whose first 16 speculative steps made fewer tokens a step "
+                    "than this decodes plainly after them (0: never; default 1.3, the engine's)")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -183,6 +187,8 @@ def build_options(args: argparse.Namespace):
     profile = dataclasses.replace(p, **changes)
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         raise SetupError("--num-speculative-tokens must be at least 1")
+    if args.spec_min_tokens is not None and args.spec_min_tokens < 0:
+        raise SetupError("--spec-min-tokens must be >= 0")
     draft_dir = None
     if args.drafter == "tiny" and not Path("tiny").is_dir():
         draft_dir = tiny_checkpoint(cache, "draft-tiny")
@@ -191,6 +197,7 @@ def build_options(args: argparse.Namespace):
     elif args.drafter:
         draft_dir = resolve_model(args.drafter, cache)
     return StackOptions(draft_dir=draft_dir, num_speculative_tokens=args.num_speculative_tokens,
+                        spec_min_tokens=args.spec_min_tokens,
                         model_dir=model_dir, profile=profile, cache_dir=cache, host=args.host,
                         http_port=args.http_port, grpc_port=args.grpc_port,
                         metrics_port=args.metrics_port, proxy_port=args.proxy_port,

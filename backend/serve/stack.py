@@ -46,6 +46,7 @@ class StackOptions:
     # speculative decoding's drafter checkpoint (volundr.speculative); "mtp": the model's head
     draft_dir: Path | str | None = None
     num_speculative_tokens: int | None = None  # None: the engine's default
+    spec_min_tokens: float | None = None  # None: the engine's default
 
 
 def llm_parameters(o: StackOptions) -> dict[str, str]:
@@ -61,6 +62,7 @@ def llm_parameters(o: StackOptions) -> dict[str, str]:
             "session_gib": f"{p.session_gib:g}",
             "draft_model_dir": "" if o.draft_dir is None else str(o.draft_dir),
             "num_speculative_tokens": str(o.num_speculative_tokens or ""),
+            "spec_min_tokens": "" if o.spec_min_tokens is None else f"{o.spec_min_tokens:g}",
             "max_inflight": str(p.max_inflight),
             "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
 

@@ -41,7 +41,9 @@ def llm_kwargs(params: dict[str, str]) -> dict:
                 kv_cache_dtype=params.get("kv_cache_dtype") or "auto",
                 session_gib=float(params.get("session_gib") or DEFAULT_SESSION_GIB),
                 draft_model=params.get("draft_model_dir") or None,
-                num_speculative_tokens=int(params.get("num_speculative_tokens") or 0) or None)
+                num_speculative_tokens=int(params.get("num_speculative_tokens") or 0) or None,
+                spec_min_tokens=(float(params["spec_min_tokens"])
+                                 if params.get("spec_min_tokens") else None))
 
 
 @dataclass(frozen=True)
