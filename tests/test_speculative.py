@@ -36,7 +36,7 @@ def models():
 def engine(models, drafter=None, device="cpu", **kw) -> LLMEngine:
     args = dict(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
                 max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=80,
-                num_speculative_tokens=4)
+                num_speculative_tokens=4, spec_min_tokens=0.0)  # (the mechanism: never stop)
     args.update(kw)
     dev = {n: t.to(device) for n, t in models["sd"].items()}
     draft = None
