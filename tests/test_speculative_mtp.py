@@ -226,8 +226,11 @@ def test_sequences_stop_speculating_when_it_does_not_pay(models, monkeypatch):
         EngineConfig(device="cpu", dtype=torch.float32, num_kv_blocks=256, spec_min_tokens=-1)
 
 
-def test_mtp_sampled_requests_run(models):
-    e = mtp_engine(models)
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_sampled_requests_run(models, k):
+    """A sampled request beside a greedy one: the host's path (speculative sampling, then
+    the block and its chain over the kept rows)."""
+    e = mtp_engine(models, k=k)
     reqs = [("s0", prompts(1, seed=8)[0], SamplingParams(max_tokens=16, temperature=0.8,
                                                           ignore_eos=True)),
             ("g0", prompts(1, seed=9)[0], greedy(16, ignore_eos=True))]
