@@ -7,6 +7,8 @@
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+host  # the host's calls
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+k2    # two guesses a step
     python3 perf/diag_speculative.py --variant mixed@8+mtp --kernels $OUT/k.txt  # + kernels
+        (under PDL a kernel's time includes its early start's wait: VOLUNDR_PDL=0 for times
+        that add up; the launch counts hold either way)
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
