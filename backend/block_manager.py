@@ -77,6 +77,13 @@ class StateSlots:
         self.free_slots.append(slot)
 
 
+def grown_from(prev: list[int] | None, n: int, table: list[int]) -> int:
+    """How many leading entries of `table` a copy holds that was made of `prev` when it had n:
+    n where `table` is that list, grown since by appending (BlockManager.grow), else 0 (another
+    table: a new sequence in the slot, one freed and regrown; copy it whole)."""
+    return n if prev is table and n <= len(table) else 0
+
+
 class TableMirror:
     """The block tables of the sequences in the state slots as one int32 array [slots, width],
     kept in step by copying only what each table grew since it was last read: building the
@@ -99,10 +106,9 @@ class TableMirror:
             self.array = np.pad(self.array, ((0, 0), (0, width - self.array.shape[1])))
         for s in seqs:
             t, slot = s.block_table, s.slot
-            n = self.synced[slot] if self.lists[slot] is t else -1
-            if n < 0 or n > len(t):  # another table: whole, the rest of the row zeroed
+            n = grown_from(self.lists[slot], self.synced[slot], t)
+            if n == 0:  # another table (or none copied yet): whole, the rest of the row zeroed
                 self.array[slot] = 0
-                n = 0
             if n < len(t):
                 self.array[slot, n:len(t)] = t[n:]
             self.lists[slot], self.synced[slot] = t, len(t)

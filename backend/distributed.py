@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from volundr.block_manager import grown_from
 from volundr.config import VolundrConfig
 from volundr.model.parallel import ALL_REDUCE_PATHS, check_tp, shard_state_dict
 from volundr.model.weights import host_tensor_names
@@ -81,17 +82,16 @@ def make_plan(batch: list[ScheduledSeq], max_order: int,
               sent: dict[int, tuple[list[int], int]]) -> list[tuple]:
     """What the workers need of a step. Block tables go as (from, entries): what each grew
     since the plan before (a long table is not resent every step); from 0: the whole table, a
-    new one (another sequence in the slot, one freed and regrown: a new list, as
-    block_manager.TableMirror tells them apart). sent[slot] = (the table sent, its length),
-    updated."""
+    new one (block_manager.grown_from, TableMirror's rule too). sent[slot] = (the table sent,
+    its length), updated."""
     plan = []
     for item in batch:
         seq, s = item.seq, item.seq.num_computed_tokens
         start = max(0, s - max_order + 1)  # the Engram n-grams reach max_order - 1 back
         e = s + item.num_new_tokens
         embeds = {p: v for p, v in seq.input_embeds.items() if s <= p < e}
-        t, (prev, n) = seq.block_table, sent.get(seq.slot, (None, 0))
-        n = n if prev is t and n <= len(t) else 0
+        t = seq.block_table
+        n = grown_from(*sent.get(seq.slot, (None, 0)), t)
         sent[seq.slot] = (t, len(t))
         plan.append((seq.slot, (n, t[n:]), seq.num_computed_tokens, seq.num_tokens,
                      start, seq.token_ids[start:e], item.num_new_tokens, embeds, seq.resume))

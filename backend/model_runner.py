@@ -77,8 +77,9 @@ class ModelRunner:
         self.tp = TP(tp_rank, tp_size)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)  # a block table's longest
         # the block tables' host rows (the scratch slot's too), appended to as they grow
-        self.tables = TableMirror(num_slots + 1, -(-max_model_len // block_size))
+        self.tables = TableMirror(num_slots + 1, max_blocks)
         with torch.device("meta"):
             model = VolundrForCausalLM(cfg, self.tp)
         if cfg.quantization is not None:
@@ -103,7 +104,7 @@ class ModelRunner:
 
             try:
                 self.graphs = CUDAGraphRunner(
-                    self.model, device, dtype, num_slots, -(-max_model_len // block_size),
+                    self.model, device, dtype, num_slots, max_blocks,
                     max_model_len, scratch_slot=num_slots, tp=tp_size > 1,
                     budget_bytes=budget_bytes)
             except RuntimeError as e:  # no capturable kernel for an op, or no room: run eagerly
@@ -124,7 +125,7 @@ class ModelRunner:
             try:
                 self.checks = CheckGraphs(
                     self.model, device, check_len, min(num_slots, MAX_CHECK_SEQS),
-                    -(-max_model_len // block_size), max_model_len, check_logits, budget_bytes)
+                    max_blocks, max_model_len, check_logits, budget_bytes)
                 self.max_check_seqs = self.checks.max_n
             except RuntimeError as e:
                 warnings.warn(f"speculative checks run eagerly: {e}", stacklevel=2)
@@ -134,7 +135,7 @@ class ModelRunner:
             try:
                 self.mtp_graphs = CheckGraphs(
                     self.model, device, check_len, self.checks.max_n,
-                    -(-max_model_len // block_size), max_model_len, True, budget_bytes,
+                    max_blocks, max_model_len, True, budget_bytes,
                     mtp=dtype)
             except RuntimeError as e:
                 warnings.warn(f"the MTP block runs eagerly: {e}", stacklevel=2)
