@@ -228,6 +228,18 @@ def compile_all() -> list[str]:
                    torch.zeros(H * K, dtype=bf),
                    gated=(torch.randn(1, 2 * H * K, dtype=bf)[:, H * K:].view(1, H, K),
                           torch.ones(K, dtype=bf)))
+    # a speculative check's KDA layer (2 sequences x 3 rows, the second a padding one) and its
+    # commit, one launch each
+    from volundr.kernels.kda.rows import kda_rows
+    wide = torch.randn(6, 3 * H * K + 64, dtype=bf)
+    fz = torch.randn(6, 2 * H * K, dtype=bf)
+    rows_args = (wide[:, :3 * H * K], torch.randn(3 * H * K, 4, dtype=bf),
+                 torch.zeros(16, 3 * H * K, 3, dtype=bf), fz[:, :H * K].view(6, H, K),
+                 torch.randn(6, H + 8, dtype=bf)[:, 8:], torch.zeros(16, H, K, K),
+                 torch.tensor([5, -1, -1, -1]), torch.tensor([0, 3, 3, 3, 6], dtype=torch.int32),
+                 K ** -0.5, torch.zeros(H, dtype=bf), torch.zeros(H * K, dtype=bf))
+    kda_rows(*rows_args, gated=(fz[:, H * K:].view(6, H, K), torch.ones(K, dtype=bf)))
+    kda_rows(*rows_args)
 
     # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
     def layer(n: int, bits: int, g: int = 128) -> tuple[torch.Tensor, ...]:
@@ -361,7 +373,7 @@ def test_kernels_compile_for_sm90(pdl):
                 "_store_kv_kernel", "_decode_split_kernel", "_decode_split_heads_kernel",
                 "_decode_merge_kernel",
                 "_prefill_kernel", "_prefill_phased_kernel", "_fused_recurrent_kda_kernel",
-                "_conv_seq_kernel", "_kda_decode_kernel",
+                "_conv_seq_kernel", "_kda_decode_kernel", "_kda_rows_kernel",
                 "_chunk_kda_fwd_kernel", "_chunk_kda_intra_kernel",
                 "_chunk_kda_intra_sub_kernel", "_kda_intra_a_kernel",
                 "quant_matmul_kernel",

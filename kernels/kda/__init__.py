@@ -5,6 +5,7 @@ Triton kernels (imported lazily, so that importing the references does not impor
   fused_recurrent_kda  decode / verify: token by token, state pool in place     (fused_recurrent.py)
   causal_conv1d        short depthwise causal conv with carried tail            (conv.py)
   kda_decode           decode step: conv + KDA in one launch                    (decode.py)
+  kda_rows             a speculative check's rows (+ gated norm) / its commit   (rows.py)
 engine.py holds the functions `volundr.ops` calls on CUDA.
 """
 
@@ -21,6 +22,7 @@ _LAZY = {
     "fused_recurrent_kda": "volundr.kernels.kda.fused_recurrent",
     "causal_conv1d": "volundr.kernels.kda.conv",
     "kda_decode": "volundr.kernels.kda.decode",
+    "kda_rows": "volundr.kernels.kda.rows",
 }
 
 
@@ -33,4 +35,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["kda_gate", "l2norm", "naive_causal_conv1d", "naive_chunk_kda", "naive_recurrent_kda",
-           "chunk_kda", "fused_recurrent_kda", "causal_conv1d", "kda_decode"]
+           "chunk_kda", "fused_recurrent_kda", "causal_conv1d", "kda_decode",
+           "kda_rows"]

@@ -21,6 +21,7 @@ from volundr.kernels.kda.chunk import chunk_kda
 from volundr.kernels.kda.conv import causal_conv1d
 from volundr.kernels.kda.decode import kda_decode  # noqa: F401  (re-exported for ops)
 from volundr.kernels.kda.fused_recurrent import fused_recurrent_kda
+from volundr.kernels.kda.rows import kda_rows  # noqa: F401  (re-exported for ops)
 
 # Up to this many tokens per sequence the recurrent kernel (one pass over the state per token)
 # beats two chunked launches plus their intermediates.
@@ -37,6 +38,10 @@ DECODE_FUSED_MAX_T = 16
 # per token less, graph 6.276 -> 6.267 ms, within run-to-run noise; run 29's first form, the
 # gate math before the state's loads, 6.264 -> 6.499 ms). Opt-in: VOLUNDR_KDA_LOW_RANK_FOLD=1.
 LOW_RANK_FOLD = os.environ.get("VOLUNDR_KDA_LOW_RANK_FOLD", "0") == "1"
+# A speculative check's KDA layer (conv, recurrence, gated output norm) and its commit (conv,
+# recurrence) each in one launch (rows.py): 54 x 3 launches fewer a Volundr-32B step. Opt-in
+# (VOLUNDR_KDA_ROWS=1) until timed on a GPU.
+ROWS_FUSED = os.environ.get("VOLUNDR_KDA_ROWS", "0") == "1"
 
 
 def _max_len(cu_list: list[int], T: int) -> int:
@@ -103,3 +108,9 @@ def decode_takes_low_rank(T: int, conv_width: int, bits: int, group_size: int,
     wa = rank // 8
     return (LOW_RANK_FOLD and decode_fits(T, conv_width) and bits == 4 and group_size == rank
             and rank % 32 == 0 and wa & (wa - 1) == 0)
+
+
+def rows_fit(L: int, conv_width: int, K: int, V: int) -> bool:
+    """Whether `kda_rows` takes a check of at most L rows a sequence (or its commit): one
+    program holds a head's whole [K, V] fp32 state, so heads of at most 128 x 128."""
+    return ROWS_FUSED and 2 <= conv_width <= 4 and L <= DECODE_MAX_LEN and K <= 128 and V <= 128
