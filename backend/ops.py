@@ -9,8 +9,8 @@ Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
               state [slots, H, K, V] fp32 updated in place at `slot_ids` [N].
   causal_conv x [T, C], weight [C, W], conv_state [slots, C, W - 1] updated in place.
   kda_decode  a decode step (T == N) of both: qkv [T, 3HK] raw, one launch on CUDA.
-  kda_rows    a speculative check's few rows a sequence of both (+ the gated output norm), or
-              its commit, one launch on CUDA.
+  kda_rows    a speculative check's few rows a sequence of both, or its commit, one launch on
+              CUDA.
   attention   q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D].
   lookups     ids [T, m] long (the n-gram window of each token, the token last); host tables.
 """
@@ -151,25 +151,25 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
                      state, slot_ids, cu_seqlens, cu_list, scale)
 
 
-def kda_rows_fit(x: torch.Tensor, L: int, conv_width: int, K: int, V: int) -> bool:
+def kda_rows_fit(x: torch.Tensor, L: int, conv_width: int, K: int) -> bool:
     """Whether `kda_rows` takes a check of at most L rows a sequence, or its commit (CUDA; see
     kernels/kda/engine.py `rows_fit`); x: any tensor on the step's device."""
     fast = _fast(x, "kda")
-    return fast is not None and fast.rows_fit(L, conv_width, K, V)
+    return fast is not None and fast.rows_fit(L, conv_width, K)
 
 
 def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
              g_raw: torch.Tensor, beta_raw: torch.Tensor, state: torch.Tensor,
              slot_ids: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-             A_log: torch.Tensor, dt_bias: torch.Tensor | None, gated: tuple | None = None,
-             eps: float = 1e-6) -> torch.Tensor | None:
-    """A speculative check's KDA layer in one launch (gated = (gate [T, H, V] logits, norm
-    weight [V]): returns RMSNorm(o) w sigmoid(gate) [T, H, V], states read only) or its commit
-    (gated None: the states advanced over each sequence's rows), in check_layout's rows
-    (cu_seqlens [2n + 1], slot_ids [2n]: each sequence, then its gap). Only where
-    `kda_rows_fit` says so (kernels/kda/rows.py)."""
+             A_log: torch.Tensor, dt_bias: torch.Tensor | None, update: bool = False
+             ) -> torch.Tensor | None:
+    """A speculative check's conv + KDA in one launch (update False: returns o [T, H, V], the
+    states read only) or its commit (update True: the states advanced over each sequence's
+    rows), in check_layout's rows (cu_seqlens [2n + 1], slot_ids [2n]: each sequence, then its
+    gap); what `causal_conv` then `kda_mixer` compute there. Only where `kda_rows_fit` says so
+    (kernels/kda/rows.py)."""
     return _fast(qkv, "kda").kda_rows(qkv, conv_weight, conv_state, g_raw, beta_raw, state,
-                                      slot_ids, cu_seqlens, scale, A_log, dt_bias, gated, eps)
+                                      slot_ids, cu_seqlens, scale, A_log, dt_bias, update)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -228,7 +228,7 @@ def compile_all() -> list[str]:
                    torch.zeros(H * K, dtype=bf),
                    gated=(torch.randn(1, 2 * H * K, dtype=bf)[:, H * K:].view(1, H, K),
                           torch.ones(K, dtype=bf)))
-    # a speculative check's KDA layer (2 sequences x 3 rows, the second a padding one) and its
+    # a speculative check's conv + KDA (2 sequences x 3 rows, the second a padding one) and its
     # commit, one launch each
     from volundr.kernels.kda.rows import kda_rows
     wide = torch.randn(6, 3 * H * K + 64, dtype=bf)
@@ -238,8 +238,8 @@ def compile_all() -> list[str]:
                  torch.randn(6, H + 8, dtype=bf)[:, 8:], torch.zeros(16, H, K, K),
                  torch.tensor([5, -1, -1, -1]), torch.tensor([0, 3, 3, 3, 6], dtype=torch.int32),
                  K ** -0.5, torch.zeros(H, dtype=bf), torch.zeros(H * K, dtype=bf))
-    kda_rows(*rows_args, gated=(fz[:, H * K:].view(6, H, K), torch.ones(K, dtype=bf)))
     kda_rows(*rows_args)
+    kda_rows(*rows_args, update=True)
 
     # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
     def layer(n: int, bits: int, g: int = 128) -> tuple[torch.Tensor, ...]:

@@ -123,13 +123,10 @@ class KDA(nn.Module):
                 u, ss = o
                 return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
                                 post)
-        elif b.stash is not None and self._rows_fit(qkv, b):
-            # a check: conv, recurrence and the gated output norm in one launch
+        elif b.stash is not None and self._rows_fit(qkv, b):  # a check: conv + KDA, one launch
             o = ops.kda_rows(qkv, *decode_args, f, beta, self.state, b.slot_ids, b.cu_seqlens,
-                             K ** -0.5, self.A_log, self.dt_bias, (g_out, self.o_norm.weight),
-                             self.eps)
+                             K ** -0.5, self.A_log, self.dt_bias)
             b.stash.append((self, (qkv, f, beta)))
-            return out_proj(self.o_proj, o.reshape(T, H * K), post)
         else:
             o = self._mix(qkv, f, beta, b, update=b.stash is None)
             if b.stash is not None:
@@ -155,7 +152,8 @@ class KDA(nn.Module):
         if self._rows_fit(inputs[0], b):
             qkv, f, beta = inputs
             ops.kda_rows(qkv, self.qkv_conv_weight, self.conv_state, f, beta, self.state,
-                         b.slot_ids, b.cu_seqlens, self.K ** -0.5, self.A_log, self.dt_bias)
+                         b.slot_ids, b.cu_seqlens, self.K ** -0.5, self.A_log, self.dt_bias,
+                         update=True)
             return
         self._mix(*inputs, b, update=True)
 
@@ -163,4 +161,4 @@ class KDA(nn.Module):
         """A check's rows (or its commit's: check_layout, each sequence and its gap) that
         `ops.kda_rows` takes."""
         return b.rows is not None and ops.kda_rows_fit(
-            x, b.max_q_len, self.qkv_conv_weight.shape[-1], self.K, self.state.shape[-1])
+            x, b.max_q_len, self.qkv_conv_weight.shape[-1], self.K)

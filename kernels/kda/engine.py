@@ -38,9 +38,8 @@ DECODE_FUSED_MAX_T = 16
 # per token less, graph 6.276 -> 6.267 ms, within run-to-run noise; run 29's first form, the
 # gate math before the state's loads, 6.264 -> 6.499 ms). Opt-in: VOLUNDR_KDA_LOW_RANK_FOLD=1.
 LOW_RANK_FOLD = os.environ.get("VOLUNDR_KDA_LOW_RANK_FOLD", "0") == "1"
-# A speculative check's KDA layer (conv, recurrence, gated output norm) and its commit (conv,
-# recurrence) each in one launch (rows.py): 54 x 3 launches fewer a Volundr-32B step. Opt-in
-# (VOLUNDR_KDA_ROWS=1) until timed on a GPU.
+# A speculative check's conv + KDA and its commit's each in one launch (rows.py): 54 x 2
+# launches fewer a Volundr-32B step. Opt-in (VOLUNDR_KDA_ROWS=1) until timed on a GPU.
 ROWS_FUSED = os.environ.get("VOLUNDR_KDA_ROWS", "0") == "1"
 
 
@@ -110,7 +109,7 @@ def decode_takes_low_rank(T: int, conv_width: int, bits: int, group_size: int,
             and rank % 32 == 0 and wa & (wa - 1) == 0)
 
 
-def rows_fit(L: int, conv_width: int, K: int, V: int) -> bool:
-    """Whether `kda_rows` takes a check of at most L rows a sequence (or its commit): one
-    program holds a head's whole [K, V] fp32 state, so heads of at most 128 x 128."""
-    return ROWS_FUSED and 2 <= conv_width <= 4 and L <= DECODE_MAX_LEN and K <= 128 and V <= 128
+def rows_fit(L: int, conv_width: int, K: int) -> bool:
+    """Whether `kda_rows` takes a check of at most L rows a sequence (or its commit): convs of
+    width 2 to 4 (taps in named registers), heads of K <= 256 (the programs hold all K)."""
+    return ROWS_FUSED and 2 <= conv_width <= 4 and L <= DECODE_MAX_LEN and K <= 256

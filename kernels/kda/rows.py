@@ -1,27 +1,27 @@
-"""A speculative check's KDA layer in one launch, and its commit in one more: kernels/kda/decode.py
+"""A speculative check's conv + KDA in one launch, and its commit in one more: kernels/kda/decode.py
 for the few rows a sequence that a check holds (backend/check_layout.py).
 
 A check runs up to L tokens of each of n sequences with the recurrent states read, not written;
-the commit then advances the states over the tokens each sequence keeps. Unfused, a check's KDA
-layer takes three launches after f_b / g_b's GEMV (the conv, the recurrence, the gated output
-norm) and its commit two (conv, recurrence): 54 layers x 5 launches a Volundr-32B step, each
-a few microseconds of a graph that is mostly launch-bound at these sizes.
+the commit then advances the states over the tokens each sequence keeps. Unfused, each takes two
+launches a KDA layer (the conv, then the recurrence reading its output back): 54 x 2 launches of
+a Volundr-32B speculative step that these two kernels' 54 x 1 replace.
 
-Here one program per (sequence, head) owns the head's whole [K, V] state and all 2K + V conv
-channels of the head, and walks the sequence's rows (at most L): conv + SiLU from the carried
-tail (the window slides in registers), the KDA step, and
-* check (update False): the gated output norm, o = RMSNorm_V(o') nw sigmoid(z) (o' the step's
-  output rounded to o's dtype, the normed value rounded again before the gate: the unfused
-  kernels' roundings), complete, because the program holds all V channels of the head; the
-  state and the tail stay as they were;
-* commit (update True): the final state and the new tail written back (one writer per channel:
-  no arrival counters, unlike decode.py); no output.
-The price is n H programs (40 at batch 1) instead of the recurrent kernel's n H V / BV, each
-reading its 64 KiB of state once; the rows' arithmetic is small next to that.
+Grid (NV = V / BV, n H), as decode.py: program (i_v, n, h) owns the [K, BV] slice of the head's
+state and walks the sequence's rows (at most L), computing each row's conv + SiLU of all K q and
+k channels of the head (their L2 norms and dot products run over K; NV programs recompute them)
+and of its BV v channels from the carried tail, the window sliding in registers.
+* check (update False): o [T, H, V] as the recurrence returns it; state and tails stay as they
+  were, so no program writes anything another reads. Zeros in the gap rows and in a padding
+  sequence's rows.
+* commit (update True): the final state slice, the v tail by its only reader, and the q/k tail
+  by the last of the head's NV programs to finish reading it (decode.py's arrival counters,
+  keyed by (sequence, head), left at zero for the next launch); no output.
+A first form, one program per (sequence, head) holding the whole [K, V] state (so that the
+gated output norm over V could be done in it), made the check graph 7.76 -> 9.21 ms a step at
+Volundr-32B (H100, k = 2): 40 programs read the state too slowly; the split over V is kept.
 
 The layout is check_layout's: cu [2n + 1] (sequence i's rows cu[2i]:cu[2i + 1], then its gap up
 to cu[2i + 2]), slot_ids [2n] = (slot, -1) per sequence; a negative slot is a padding sequence.
-A check writes zeros to its gap rows and to a padding sequence's rows.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
-from volundr.kernels.kda.decode import _load_tail
+from volundr.kernels.kda.decode import _counters, _load_tail
 from volundr.kernels.kda.fused_recurrent import kda_update
 from volundr.kernels.kda.utils import softplus
 
@@ -75,22 +75,24 @@ def _store_window(st, ch, m, t0, t1, t2, W: tl.constexpr):
         tl.store(p + 2, t2.to(ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["eps"])
+@triton.jit
 def _kda_rows_kernel(
-    x, cw, cs, g, beta, o, h, cu, slot_ids, A_log, dt_bias, nw, z, scale, eps,
-    s_xt, s_gt, s_gh, s_bt, s_bh, s_zt,
+    x, cw, cs, g, beta, o, h, cu, slot_ids, cnt, A_log, dt_bias, scale,
+    s_xt, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, HAS_DT_BIAS: tl.constexpr, UPDATE: tl.constexpr,
 ):
     """x [T, C] raw q|k|v (row stride s_xt), C = 2HK + HV; cw [C, W]; cs [slots, C, W - 1];
     g [T, H, K] gate logits, beta [T, H] logits (strides s_g*, s_b*); h [slots, H, K, V] fp32;
-    cu [2n + 1] int32, slot_ids [2n]; check: nw [V] the output norm's weight, z [T, H, V] the
-    output gate logits (token stride s_zt, heads V apart), o [T, H, V]. Grid (n H,)."""
+    cu [2n + 1] int32, slot_ids [2n]; o [T, H, V] (check); cnt [>= n H] int32 zeros (commit).
+    Grid (cdiv(V, BV), n H)."""
     pdl.trigger()  # a PDL-launched successor may start
+    NV: tl.constexpr = (V + BV - 1) // BV
     C: tl.constexpr = 2 * H * K + H * V
-    i_n, i_h = tl.program_id(0) // H, tl.program_id(0) % H
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
@@ -105,8 +107,6 @@ def _kda_rows_kernel(
     b_dt = tl.zeros([BK], dtype=tl.float32)
     if HAS_DT_BIAS:
         b_dt = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if not UPDATE:
-        b_nw = tl.load(nw + o_v, mask=m_v, other=0.0).to(tl.float32)
     pdl.wait()  # PDL: inputs come from the kernel before
     bos = tl.load(cu + 2 * i_n).to(tl.int64)
     eos = tl.load(cu + 2 * i_n + 1).to(tl.int64)
@@ -140,41 +140,40 @@ def _kda_rows_kernel(
             b_h, b_o = kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k,
                                   scale, K, True, False, False, True)
             if not UPDATE:
-                b_o = tl.where(m_v, b_o.to(o.dtype.element_ty).to(tl.float32), 0.0)
-                rstd = tl.rsqrt(tl.sum(b_o * b_o, axis=0) / V + eps)
-                y = (b_o * rstd * b_nw).to(o.dtype.element_ty).to(tl.float32)
-                b_z = tl.load(z + t * s_zt + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                tl.store(o + (t * H + i_h) * V + o_v, (y * tl.sigmoid(b_z)).to(o.dtype.element_ty),
-                         mask=m_v)
+                tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if UPDATE:
+            # every thread of this program has read the old tails before any is overwritten;
+            # then the q/k reads of this program counted (release; decode.py's protocol)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt + i_nh, 1, sem="acq_rel")
+            _store_window(st, c_v, m_v, t0_v, t1_v, t2_v, W)  # this program's own channels
             tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_h)
-            _store_window(st, c_q, m_k, t0_q, t1_q, t2_q, W)
-            _store_window(st, c_k, m_k, t0_k, t1_k, t2_k, W)
-            _store_window(st, c_v, m_v, t0_v, t1_v, t2_v, W)
+            if done == NV - 1:
+                _store_window(st, c_q, m_k, t0_q, t1_q, t2_q, W)
+                _store_window(st, c_k, m_k, t0_k, t1_k, t2_k, W)
+                tl.atomic_xchg(cnt + i_nh, 0, sem="relaxed")  # ready for the next launch
 
 
-# num_warps: the program's [K, V] fp32 state is 64 KiB at K = V = 128, 64 registers a thread
-# at 8 warps. Not yet timed on a GPU.
-CONFIG = {"num_warps": 8}
+# decode.py's launch settings (its best at batch 1-16 on the H200). Not yet timed here.
+CONFIG = {"BV": 32, "num_warps": 2}
 
 
 def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
              g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
              cu_seqlens: torch.Tensor, scale: float, A_log: torch.Tensor,
-             dt_bias: torch.Tensor | None = None, gated: tuple | None = None, eps: float = 1e-6,
+             dt_bias: torch.Tensor | None = None, update: bool = False, BV: int | None = None,
              num_warps: int | None = None) -> torch.Tensor | None:
-    """A check's KDA layer (gated given: states read only) or its commit (gated None: states
-    advanced over each sequence's rows, nothing returned), in one launch (module doc).
+    """A check's conv + KDA (update False: states read only; returns o) or its commit (update
+    True: the states advanced over each sequence's rows; returns None), in one launch (module
+    doc): what `conv.causal_conv1d` (+ SiLU) then `fused_recurrent_kda` compute there.
 
     qkv [T, 3HK] raw q|k|v projections (unit column stride, any row stride), channels as in
     decode.py's `kda_decode`; conv_weight [C, W] (2 <= W <= 4); conv_state [slots, C, W - 1];
     g [T, H, K] gate logits (g = -exp(A_log[h]) softplus(g + dt_bias)), beta [T, H] logits, any
-    token / head strides; state [slots, H, K, V] fp32 contiguous; cu_seqlens [2n + 1] int32 and
-    slot_ids [2n], check_layout's (each sequence followed by its gap; slot -1 in the gap, or
-    for a padding sequence). gated = (z [T, H, V] output gate logits, heads V apart and unit
-    channel stride, norm weight [V]): returns o [T, H, V] in qkv.dtype,
-    RMSNorm_V(KDA(conv(qkv))) w sigmoid(z) per head (ops.rms_norm_gated of the unfused path);
-    rows of gaps and padding sequences are zeros."""
+    token / head strides (last dims contiguous); state [slots, H, K, V] fp32 contiguous;
+    cu_seqlens [2n + 1] int32 and slot_ids [2n], check_layout's (each sequence followed by its
+    gap; slot -1 in the gap, or for a padding sequence). Returns o [T, H, V] in qkv.dtype
+    (zeros in gap and padding rows). Commits that may overlap must run on one stream."""
     T, C = qkv.shape
     _, H, K, V = state.shape
     W = conv_weight.shape[-1]
@@ -194,20 +193,16 @@ def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Ten
         qkv = qkv.contiguous()
     if g.stride(-1) != 1:
         g = g.contiguous()
-    o, z, nw, s_zt = None, None, None, 0
-    if gated is not None:
-        z, nw = gated
-        if z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V or nw.numel() != V:
-            raise ValueError("gated: z [T, H, V] with heads V apart, unit channel stride; "
-                             "norm weight [V]")
-        o, s_zt, nw = qkv.new_empty(T, H, V), z.stride(0), nw.contiguous()
+    o = None if update else qkv.new_empty(T, H, V)
     if n2 == 0:
         return o
-    _kda_rows_kernel[(n2 // 2 * H,)](
-        qkv, conv_weight.contiguous(), conv_state, g, beta, o, state, cu_seqlens, slot_ids,
-        A_log, dt_bias, nw, z, scale, eps,
-        qkv.stride(0), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), s_zt,
-        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), W=W,
-        HAS_DT_BIAS=dt_bias is not None, UPDATE=gated is None,
+    BV = min(BV or CONFIG["BV"], triton.next_power_of_2(V))
+    cnt = _counters(qkv.device, n2 // 2 * H)
+    _kda_rows_kernel[(triton.cdiv(V, BV), n2 // 2 * H)](
+        qkv, conv_weight.contiguous(), conv_state, g, beta, o, state, cu_seqlens, slot_ids, cnt,
+        A_log, dt_bias, scale,
+        qkv.stride(0), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, W=W,
+        HAS_DT_BIAS=dt_bias is not None, UPDATE=update,
         num_warps=num_warps or CONFIG["num_warps"], launch_pdl=pdl.ON.value)
     return o
