@@ -12,6 +12,7 @@ Medians of `triton.testing.do_bench`. Writes kda_bench.{json,csv,png} under --ou
     python perf/kernels/bench_kda.py --out "$OUT" [--prefill 4096,32768,131072] [--sweep]
     python perf/kernels/bench_kda.py --out "$OUT" --decode-only [--decode 1,16] [--fused-variants]
     python perf/kernels/bench_kda.py --out /tmp/x --decode-only --smoke  # CPU: decode path check
+    python perf/kernels/bench_kda.py --out "$OUT" --rows [--smoke]   # a check's / commit's rows
     python perf/kernels/bench_kda.py --out "$OUT" --intra-compare [--intra-T 4096,32768]
         [--sub-variants] [--split-variants] [--no-fla]
     python perf/kernels/bench_kda.py --out /tmp/x --intra-compare --sub-variants --smoke  # CPU
@@ -23,6 +24,10 @@ VOLUNDR_KDA_INTRA: "fused", "sub", "split") and fla's, checked against each othe
 the fp32 naive reference at the first T) before timing, plus a per-kernel profile at the last T.
 --sub-variants / --split-variants also time that path's launch settings (VARIANTS, one compile
 each) there.
+--rows: a speculative check of n sequences x L rows (check_layout's rows, states read only) and
+its commit (L - 1 rows each), one KDA layer: the two kernels (conv, recurrence: "pair") against
+kda_rows (one launch) at each of ROWS_VARIANTS' launch settings, graph-replayed, the check's
+outputs compared first.
 --smoke runs it at tiny shapes under TRITON_INTERPRET=1 (re-executing itself with it set) so a
 script error shows up without a GPU.
 """
@@ -109,6 +114,56 @@ def decode_sweep(log) -> None:
             def fn(x=x, kw=kw, bv=bv, nw=nw):
                 return fused_recurrent_kda(*x[:5], BV=bv, num_warps=nw, **kw)
             log(dict(kind="decode_sweep", B=B, BV=bv, warps=nw, graph_us=graphed(fn) * 1e3))
+
+
+# kda_rows launch settings timed by --rows
+ROWS_VARIANTS = [{"BV": 32, "num_warps": 2}, {"BV": 16, "num_warps": 2}, {"BV": 16, "num_warps": 1},
+                 {"BV": 64, "num_warps": 4}, {"BV": 32, "num_warps": 4}]
+
+
+def rows_case(n: int, L: int) -> dict:
+    """One --rows case: n sequences x L rows (module doc)."""
+    from volundr.kernels.kda.rows import kda_rows
+
+    W, C, T, slots = 4, 2 * H * K + H * V, n * L, n + 1
+    x = torch.randn(T, C, device=dev, dtype=QKV_DTYPE)
+    g = torch.randn(T, H, K, device=dev, dtype=QKV_DTYPE)
+    beta = torch.randn(T, H, device=dev, dtype=QKV_DTYPE)
+    cw = torch.randn(C, W, device=dev, dtype=QKV_DTYPE)
+    cs = torch.randn(slots, C, W - 1, device=dev, dtype=QKV_DTYPE)
+    st = torch.randn(slots, H, K, V, device=dev) * 0.1
+    A_log = torch.rand(H, device=dev) * 2.0 - 1.0
+    dt_bias = torch.randn(H * K, device=dev)
+    ids = torch.tensor([x for i in range(n) for x in (i, -1)], device=dev)
+    cu_l = [0] + [x for i in range(n) for x in (i * L + L, i * L + L)]
+    cm_l = [0] + [x for i in range(n) for x in (i * L + L - 1, i * L + L)]  # commit: L - 1
+    cu = torch.tensor(cu_l, dtype=torch.int32, device=dev)
+    cm = torch.tensor(cm_l, dtype=torch.int32, device=dev)
+
+    def pair(update: bool, c=cu, c_l=cu_l):
+        y = engine.causal_conv(x, cw, cs, ids, c, "silu", update_state=update, max_len=L)
+        q, k, v = y.view(T, 3, H, K).unbind(1)
+        return engine.kda_mixer(q, k, v, g, beta, st, ids, c, c_l, K ** -0.5, A_log=A_log,
+                                dt_bias=dt_bias, update_state=update)
+
+    def rows(update: bool, c=cu, **kw):
+        return kda_rows(x, cw, cs, g, beta, st, ids, c, K ** -0.5, A_log, dt_bias,
+                        update=update, **kw)
+    r = dict(kind="rows", n=n, L=L, err=rel(rows(False).float(), pair(False).float()))
+    if not SMOKE:
+        r["pair_check_us"] = graphed(lambda: pair(False)) * 1e3
+        r["pair_commit_us"] = graphed(lambda: pair(True, cm, cm_l)) * 1e3
+        for kw in ROWS_VARIANTS:
+            tag = f'bv{kw["BV"]}w{kw["num_warps"]}'
+            r[f"rows_check_us_{tag}"] = graphed(lambda kw=kw: rows(False, **kw)) * 1e3
+            r[f"rows_commit_us_{tag}"] = graphed(lambda kw=kw: rows(True, cm, **kw)) * 1e3
+    return r
+
+
+def rows_bench(log) -> list[dict]:
+    """--rows (module doc): graph us of one KDA layer's check and commit, pair vs kda_rows."""
+    cases = ((1, 3), (2, 2)) if SMOKE else ((1, 2), (1, 3), (1, 4), (4, 3), (16, 3))
+    return [log(rows_case(n, L)) for n, L in cases]
 
 
 def rel(a, b) -> float:
@@ -443,6 +498,8 @@ def main() -> None:
                     help="only the decode measurements (no prefill), then stop")
     ap.add_argument("--fused-variants", action="store_true",
                     help="decode: also time the fused kernel's launch settings (FUSED_VARIANTS)")
+    ap.add_argument("--rows", action="store_true",
+                    help="a speculative check's / commit's rows: the two kernels vs kda_rows")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (script check)")
     args = ap.parse_args()
@@ -454,7 +511,8 @@ def main() -> None:
         H, K, V, dev, QKV_DTYPE, SMOKE = 2, 32, 32, "cpu", torch.float32, True
     cfg_path = os.path.join(args.out, "kda_config.json")
     os.makedirs(args.out, exist_ok=True)
-    name = "kda_sweep" if args.sweep else "kda_intra" if args.intra_compare else "kda_bench"
+    name = ("kda_sweep" if args.sweep else "kda_intra" if args.intra_compare
+            else "kda_rows" if args.rows else "kda_bench")
     jl = open(os.path.join(args.out, name + ".jsonl"), "w")
 
     def log(d):
@@ -475,6 +533,9 @@ def main() -> None:
         prefill_call(mod, x)
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
+        return
+    if args.rows:
+        rows_bench(log)
         return
     if args.intra_compare:
         Ts = [100, 200] if args.smoke else [int(t) for t in args.intra_T.split(",")]
