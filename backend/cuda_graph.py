@@ -11,6 +11,9 @@ place, so a step's only inputs are small index tensors.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -23,6 +26,24 @@ def capture_sizes(max_bs: int) -> list[int]:
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
+
+
+@contextmanager
+def no_gc():
+    """Python's cycle collector off while a graph is captured, after one collection. torch 2.13
+    no longer collects before a capture (torch.cuda.graph's force_cudagraph_gc), so a cycle
+    collected in the middle of one could free CUDA objects of an engine built earlier (its
+    graphs, tensors used on other streams), calls a capture does not allow: the capture fails
+    (once in run 134: "operation failed due to a previous error during capture", the MTP block
+    left eager)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def check_room(device: torch.device, budget_bytes: int | None, need: int) -> None:
@@ -104,7 +125,7 @@ class CUDAGraphRunner:
         self.build_peak = max(self.build_peak, peak)
         self._check_room(peak - base)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.mode):
+        with no_gc(), torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.mode):
             self.logits[bs] = self._step(b)
         torch.cuda.synchronize()
         self.graphs[bs] = g
@@ -222,15 +243,15 @@ class CheckGraphs:
         torch.cuda.synchronize()
         check_room(self.device, self.budget_bytes,
                    torch.cuda.max_memory_allocated(self.device) - base)
-        g, gc = torch.cuda.CUDAGraph(), None if self.mtp else torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        g, gcm = torch.cuda.CUDAGraph(), None if self.mtp else torch.cuda.CUDAGraph()
+        with no_gc(), torch.cuda.graph(g, pool=self.pool):
             logits, stash, hidden = self._check(b)
-        if gc is not None:
-            with torch.cuda.graph(gc, pool=self.pool):
+        if gcm is not None:
+            with no_gc(), torch.cuda.graph(gcm, pool=self.pool):
                 self._commit(stash, bc)
         torch.cuda.synchronize()
         # (the stash stays allocated for the commit, the hidden states for an MTP draft)
-        self.graphs[n] = (g, gc, logits, stash, hidden)
+        self.graphs[n] = (g, gcm, logits, stash, hidden)
 
     def can_run(self, n: int, L: int, logits: bool) -> bool:
         return L == self.L and n <= self.max_n and logits <= self.logits and bool(self.graphs)
@@ -296,7 +317,7 @@ class CheckGraphs:
         lim = (caps + [0] * (size - n) + [i for t in stops for i in (list(t) + pad)[:S]]
                + pad * (size - n))
         lim = torch.tensor(lim).pin_memory().to(self.device, non_blocking=True)
-        g, gc, logits, _, hidden = self.graphs[size]
+        g, gcm, logits, _, hidden = self.graphs[size]
         g.replay()
         a = logits[:Tn].argmax(dim=-1).view(size, L)
         toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's n-gram window ends in its token)
@@ -304,7 +325,7 @@ class CheckGraphs:
         lens = counted_lengths(a, lens, lim[:size], lim[size:].view(size, S))
         cu = kept_cu(lens, L)
         self.cu_commit[:2 * size + 1] = cu
-        gc.replay()
+        gcm.replay()
         live = (torch.arange(L, device=self.device) < lens[:, None]).flatten()
         mtp.cu[:2 * size + 1] = cu
         mtp.slot_mapping[:Tn] = torch.where(live, self.slot_mapping[:Tn], -1)

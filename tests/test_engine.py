@@ -374,3 +374,26 @@ def test_priority_orders_admission_and_preemption(tiny):
     assert preempted and preempted[0] == "lo" and "hi" not in preempted
     for rid, p, _ in reqs:
         assert out[rid] == run_all(make_engine(tiny), [(rid, p, long)])[rid]
+
+
+def test_no_gc_keeps_the_cycle_collector_off_inside_a_capture_only():
+    """cuda_graph.no_gc (around every capture): collector off inside, back on after, even
+    when the capture raises; left off if it was off."""
+    import gc
+
+    from volundr.cuda_graph import no_gc
+
+    assert gc.isenabled()
+    with no_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_gc():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
