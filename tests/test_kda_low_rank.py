@@ -15,7 +15,11 @@ import sys
 
 import pytest
 import torch
-from test_quant import _rel, _seed  # (tests/ is on the path under pytest and as a script)
+from test_quant import (  # (tests/ is on the path under pytest and as a script)
+    _rel,
+    _seed,
+    random_kda,
+)
 
 from volundr.kernels.quant.naive import naive_quant_matmul
 
@@ -77,18 +81,12 @@ def check_layer(seed: int, device: str = "cpu") -> None:
     from volundr.converter.presets import get_config
     from volundr.kernels.kda import engine as kda_engine
     from volundr.kernels.quant import engine, quantize_random_linear
-    from volundr.model.kda import KDA
     from volundr.model.layers import GroupedLinear
 
     cfg = dataclasses.replace(get_config("tiny"), hidden_size=128,
                               kda=KDAConfig(num_heads=2, head_dim=32, conv_size=4,
                                             low_rank_dim=32))
-    torch.manual_seed(seed)
-    layer = KDA(cfg)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.3)
-        layer.o_norm.weight.uniform_(0.5, 1.5)
+    layer = random_kda(cfg, seed)
     for i, name in enumerate(("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj",
                               "f_b_proj", "g_b_proj", "o_proj")):
         m = getattr(layer, name)

@@ -42,6 +42,20 @@ def _layer(n: int, k: int, bits: int, g: int, device="cpu", seed=0):
     return qa, qb, pack_scale_zero(s, z)
 
 
+def random_kda(cfg, seed: int):
+    """A KDA layer of cfg with N(0, 0.3) weights and output norm weights in [0.5, 1.5] (the
+    KDA tests' layer; fp32 on the CPU)."""
+    from volundr.model.kda import KDA
+
+    torch.manual_seed(seed)
+    layer = KDA(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    return layer
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all()
@@ -241,17 +255,11 @@ def check_kda_layer_fold(seed: int) -> None:
     from volundr.config import KDAConfig
     from volundr.converter.presets import get_config
     from volundr.kernels.quant import engine, quantize_random_linear
-    from volundr.model.kda import KDA
     from volundr.model.layers import GroupScaled
 
     cfg = dataclasses.replace(get_config("tiny"), kda=KDAConfig(num_heads=2, head_dim=32,
                                                                 conv_size=4, low_rank_dim=16))
-    torch.manual_seed(seed)
-    layer = KDA(cfg)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.3)
-        layer.o_norm.weight.uniform_(0.5, 1.5)
+    layer = random_kda(cfg, seed)
     layer.o_proj = quantize_random_linear(cfg.hidden_size, 64, 4, 32, "cpu", seed=seed)
     layer = layer.to(torch.bfloat16)
     layer.after_load()
