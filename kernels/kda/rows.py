@@ -48,10 +48,22 @@ def _load_w(cw, ch, m, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_row(xt, ch, m, w0, w1, w2, wn, t0, t1, t2, W: tl.constexpr, dtype: tl.constexpr):
-    """One row's conv + SiLU at channels ch (rounded to `dtype` as the unfused conv hands it
+def _row_inputs(x, g, beta, t, live, c_q, c_k, c_v, m_k, m_v, i_h, o_k, s_xt, s_gt, s_gh, s_bt,
+                s_bh):
+    """Row t's raw q, k, v inputs, gate logits and beta logit, fp32 (zeros where not live)."""
+    xt = x + t * s_xt
+    b_q = tl.load(xt + c_q, mask=m_k & live, other=0.0).to(tl.float32)
+    b_k = tl.load(xt + c_k, mask=m_k & live, other=0.0).to(tl.float32)
+    b_v = tl.load(xt + c_v, mask=m_v & live, other=0.0).to(tl.float32)
+    b_g = tl.load(g + t * s_gt + i_h * s_gh + o_k, mask=m_k & live, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + t * s_bt + i_h * s_bh, mask=live, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_b
+
+
+@triton.jit
+def _conv_row(b_x, w0, w1, w2, wn, t0, t1, t2, W: tl.constexpr, dtype: tl.constexpr):
+    """One row's conv + SiLU of inputs b_x (rounded to `dtype` as the unfused conv hands it
     over) and the window slid by one: returns (y, t0, t1, t2)."""
-    b_x = tl.load(xt + ch, mask=m, other=0.0).to(tl.float32)
     acc = t0 * w0 + t1 * w1 + t2 * w2 + b_x * wn
     y = (acc * tl.sigmoid(acc)).to(dtype).to(tl.float32)
     if W == 4:
@@ -126,17 +138,22 @@ def _kda_rows_kernel(
         t0_q, t1_q, t2_q = _load_tail(st, c_q, m_k, W)
         t0_k, t1_k, t2_k = _load_tail(st, c_k, m_k, W)
         t0_v, t1_v, t2_v = _load_tail(st, c_v, m_v, W)
+        # each row's inputs are loaded while the row before is computed (they do not depend
+        # on the state): one load latency a launch instead of one a row
+        n_q, n_k, n_v, n_g, n_b = _row_inputs(x, g, beta, bos, bos < eos, c_q, c_k, c_v, m_k,
+                                              m_v, i_h, o_k, s_xt, s_gt, s_gh, s_bt, s_bh)
         for t in range(bos, eos):
-            xt = x + t * s_xt
-            b_q, t0_q, t1_q, t2_q = _conv_row(xt, c_q, m_k, w0_q, w1_q, w2_q, wn_q,
-                                              t0_q, t1_q, t2_q, W, dt)
-            b_k, t0_k, t1_k, t2_k = _conv_row(xt, c_k, m_k, w0_k, w1_k, w2_k, wn_k,
-                                              t0_k, t1_k, t2_k, W, dt)
-            b_v, t0_v, t1_v, t2_v = _conv_row(xt, c_v, m_v, w0_v, w1_v, w2_v, wn_v,
-                                              t0_v, t1_v, t2_v, W, dt)
-            b_g = tl.load(g + t * s_gt + i_h * s_gh + o_k, mask=m_k, other=0.0).to(tl.float32)
+            x_q, x_k, x_v, b_g, b_b = n_q, n_k, n_v, n_g, n_b
+            n_q, n_k, n_v, n_g, n_b = _row_inputs(x, g, beta, t + 1, t + 1 < eos, c_q, c_k, c_v,
+                                                  m_k, m_v, i_h, o_k, s_xt, s_gt, s_gh, s_bt,
+                                                  s_bh)
+            b_q, t0_q, t1_q, t2_q = _conv_row(x_q, w0_q, w1_q, w2_q, wn_q, t0_q, t1_q, t2_q, W,
+                                              dt)
+            b_k, t0_k, t1_k, t2_k = _conv_row(x_k, w0_k, w1_k, w2_k, wn_k, t0_k, t1_k, t2_k, W,
+                                              dt)
+            b_v, t0_v, t1_v, t2_v = _conv_row(x_v, w0_v, w1_v, w2_v, wn_v, t0_v, t1_v, t2_v, W,
+                                              dt)
             b_g = -tl.exp(b_a) * softplus(b_g + b_dt)  # the gate (kda_gate_act)
-            b_b = tl.load(beta + t * s_bt + i_h * s_bh).to(tl.float32)
             b_h, b_o = kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k,
                                   scale, K, True, False, False, True)
             if not UPDATE:
