@@ -43,15 +43,22 @@ from volundr.kernels.kda.utils import softplus
 
 
 @triton.jit
-def _load_new(x, cw, ch, m, W: tl.constexpr):
-    """For one token's conv at channels ch [B] (mask m): the new inputs x[ch] and the weights
-    cw[ch, j] of taps j = 0, 1, 2 and W - 1 (the newest), fp32; taps j >= W - 1 of the first
-    three are 0 (W <= 4). x: the token's row of inputs; cw [C, W]."""
-    b_x = tl.load(x + ch, mask=m, other=0.0).to(tl.float32)
+def _load_w(cw, ch, m, W: tl.constexpr):
+    """Conv taps of channels ch [B] (mask m): cw[ch, j] for j = 0, 1, 2 (0 where j >= W - 1;
+    W <= 4) and the newest tap cw[ch, W - 1], fp32. cw [C, W]."""
     w0 = tl.load(cw + ch * W, mask=m & (W > 1), other=0.0).to(tl.float32)
     w1 = tl.load(cw + ch * W + 1, mask=m & (W > 2), other=0.0).to(tl.float32)
     w2 = tl.load(cw + ch * W + 2, mask=m & (W > 3), other=0.0).to(tl.float32)
     wn = tl.load(cw + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
+    return w0, w1, w2, wn
+
+
+@triton.jit
+def _load_new(x, cw, ch, m, W: tl.constexpr):
+    """For one token's conv at channels ch [B] (mask m): the new inputs x[ch] (fp32) and
+    `_load_w`'s taps. x: the token's row of inputs; cw [C, W]."""
+    b_x = tl.load(x + ch, mask=m, other=0.0).to(tl.float32)
+    w0, w1, w2, wn = _load_w(cw, ch, m, W)
     return b_x, w0, w1, w2, wn
 
 

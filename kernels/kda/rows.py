@@ -33,20 +33,9 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
-from volundr.kernels.kda.decode import _counters, _load_tail
+from volundr.kernels.kda.decode import _counters, _load_tail, _load_w
 from volundr.kernels.kda.fused_recurrent import kda_update
 from volundr.kernels.kda.utils import softplus
-
-
-@triton.jit
-def _load_w(cw, ch, m, W: tl.constexpr):
-    """Conv taps of channels ch [B]: cw[ch, j] for j = 0, 1, 2 (0 where j >= W - 1) and the
-    newest tap cw[ch, W - 1], fp32 (decode.py's `_load_new` without the input)."""
-    w0 = tl.load(cw + ch * W, mask=m & (W > 1), other=0.0).to(tl.float32)
-    w1 = tl.load(cw + ch * W + 1, mask=m & (W > 2), other=0.0).to(tl.float32)
-    w2 = tl.load(cw + ch * W + 2, mask=m & (W > 3), other=0.0).to(tl.float32)
-    wn = tl.load(cw + ch * W + (W - 1), mask=m, other=0.0).to(tl.float32)
-    return w0, w1, w2, wn
 
 
 @triton.jit
