@@ -30,13 +30,13 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 @contextmanager
 def no_gc():
-    """Python's cycle collector off while a graph is captured, after one collection. torch 2.13
-    no longer collects before a capture (torch.cuda.graph's force_cudagraph_gc), so a cycle
-    collected in the middle of one could free CUDA objects of an engine built earlier (its
-    graphs, tensors used on other streams), calls a capture does not allow: the capture fails
-    (once in run 134: "operation failed due to a previous error during capture", the MTP block
-    left eager)."""
-    gc.collect()
+    """Python's cycle collector off while a graph is captured. torch 2.13 no longer collects
+    before a capture (torch.cuda.graph's force_cudagraph_gc), so a cycle collected in the middle
+    of one could free CUDA objects of an engine built earlier (its graphs, tensors used on other
+    streams), calls a capture does not allow: the capture fails (once in run 134: "operation
+    failed due to a previous error during capture", the MTP block left eager). No collection
+    first: cycles left over are collected after the capture, and one collection per captured
+    size would add to start-up."""
     was = gc.isenabled()
     gc.disable()
     try:
