@@ -161,15 +161,17 @@ def kda_rows_fit(x: torch.Tensor, L: int, conv_width: int, K: int) -> bool:
 def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
              g_raw: torch.Tensor, beta_raw: torch.Tensor, state: torch.Tensor,
              slot_ids: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-             A_log: torch.Tensor, dt_bias: torch.Tensor | None, update: bool = False
-             ) -> torch.Tensor | None:
+             A_log: torch.Tensor, dt_bias: torch.Tensor | None, update: bool = False,
+             gated: tuple | None = None):
     """A speculative check's conv + KDA in one launch (update False: returns o [T, H, V], the
     states read only) or its commit (update True: the states advanced over each sequence's
     rows), in check_layout's rows (cu_seqlens [2n + 1], slot_ids [2n]: each sequence, then its
     gap); what `causal_conv` then `kda_mixer` compute there. Only where `kda_rows_fit` says so
-    (kernels/kda/rows.py)."""
+    (kernels/kda/rows.py). gated = (z, norm weight): a check's (o w sigmoid(z), ss) as
+    `kda_decode`'s gated, the head's RMS scale left to o_proj."""
     return _fast(qkv, "kda").kda_rows(qkv, conv_weight, conv_state, g_raw, beta_raw, state,
-                                      slot_ids, cu_seqlens, scale, A_log, dt_bias, update)
+                                      slot_ids, cu_seqlens, scale, A_log, dt_bias, update,
+                                      gated=gated)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

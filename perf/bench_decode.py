@@ -18,7 +18,10 @@ with it x's digits written by the residual epilogues or made by a launch before 
 (the default; gemv_i8.LATE_TRIGGER), +i8rowsN = the matmuls of 2..N rows on gemv_i8_rows
 (engine.I8_ROWS: 16 by default, +i8rows0 = gemm_tc; --batches 2,4,8 for those rows), +rowsfold /
 +norowsfold = with it the residual add + next RMSNorm per row in its epilogue and the next one's
-scale (engine.ROWS_FOLD, opt-in), +i8chunkN = 17..N rows as 16-row gemv_i8_rows calls
+scale (engine.ROWS_FOLD, opt-in), +rowsgated / +norowsgated = a speculative check's KDA gated
+output norm in kda_rows and o_proj's gemv_i8_rows (engine.ROWS_GATED_NORM, opt-in), +gi8 / +nogi8 =
+at M = 1 o_proj with that norm's head scale on gemv_i8 instead of gemv_tc (engine.GATED_NORM_I8,
+opt-in), +i8chunkN = 17..N rows as 16-row gemv_i8_rows calls
 (engine.I8_ROWS_CHUNKED: 48 by default, +i8chunk0 off; --max-num-seqs 32 --batches 32); +nopf4 =
 gemv_i8_rows at 4 bits up to 4 rows without its prefetch (gemv_i8_rows.FEW4 = FEW); +fold = the
 residual add + RMSNorm into the batch-1 GEMV (engine.NORM_FOLD), +gfold / +nogfold = KDA's gated
@@ -556,6 +559,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             gemv_i8_rows.FEW4 = dict(gemv_i8_rows.FEW)
         elif sfx in ("rowsfold", "norowsfold"):  # the residual norm per row on gemv_i8_rows
             qengine.ROWS_FOLD = sfx == "rowsfold"
+        elif sfx in ("rowsgated", "norowsgated"):  # a check's gated norm in kda_rows + o_proj
+            qengine.ROWS_GATED_NORM = sfx == "rowsgated"
+        elif sfx in ("gi8", "nogi8"):  # M = 1: the gated norm's head scale in gemv_i8's digits
+            qengine.GATED_NORM_I8 = sfx == "gi8"
         elif sfx[:6] == "i8rows" and sfx[6:].isdigit():  # gemv_i8_rows up to N rows
             qengine.I8_ROWS = int(sfx[6:])
         elif sfx in ("i8late", "i8top"):  # gemv_i8's PDL trigger after its loop / at its top
@@ -600,7 +607,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
                              "dig, nodig, i8late, i8top, i8rowsN, i8chunkN, nopf4, rowsfold, "
-                             "norowsfold, early, noearly, "
+                             "norowsfold, rowsgated, norowsgated, gi8, nogi8, early, noearly, "
                              "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
                              "fp8kv, draft, draftself, mtp, kN)")
     try:

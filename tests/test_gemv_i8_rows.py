@@ -143,6 +143,19 @@ def check_rows_digits(device: str) -> None:
                 assert torch.equal(xd[r], one_d) and torch.equal(xg[r], one_g), (bits, r)
                 # (one row == naive is test_gemv_i8's check_digits; here: rows don't mix)
                 assert torch.allclose(xg[r][:, 0], rg[:, 0], rtol=1 / 128 if swiglu else 0)
+    # gscale (KDA's gated output norm per head): the same digits, each group's xg times its
+    # row's rsqrt(sum(gs[r, g]) / G + eps), for 3 rows and for one (gs [groups, P] there)
+    eps = 1e-6
+    for bits in (2, 3, 4):
+        for m in (3, 1):
+            x = torch.randn(m, 1024, generator=gen).to(torch.bfloat16).to(device)
+            gs = (torch.rand(m, 8, 3, generator=gen) * 40).to(device)
+            gs[0, 1] = 0  # a head of zeros: 1 / sqrt(eps)
+            xd, xg = x_digits(x, bits, gscale=(gs if m > 1 else gs[0], eps))
+            rd, rg = x_digits(x, bits)
+            r = torch.rsqrt(gs.sum(-1) / 128 + eps).reshape(xg.shape[:-1])
+            assert torch.equal(xd, rd), (bits, m)
+            assert torch.allclose(xg, rg * r[..., None], rtol=1e-6, atol=0), (bits, m)
 
 
 def test_rows_digits_interpreter():

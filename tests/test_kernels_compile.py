@@ -240,6 +240,7 @@ def compile_all() -> list[str]:
                  K ** -0.5, torch.zeros(H, dtype=bf), torch.zeros(H * K, dtype=bf))
     kda_rows(*rows_args)
     kda_rows(*rows_args, update=True)
+    kda_rows(*rows_args, gated=(fz[:, H * K:].view(6, H, K), torch.ones(K, dtype=bf)))
 
     # mixed-bit matmuls: every path of the dispatch at every width, the tensor-core paths included
     def layer(n: int, bits: int, g: int = 128) -> tuple[torch.Tensor, ...]:
@@ -266,6 +267,12 @@ def compile_all() -> list[str]:
         rows_, quant.I8_ROWS = quant.I8_ROWS, 16  # gemv_i8_rows (opt-in): 2 and 5 rows of x
         quant.quant_matmul(torch.randn(2, 1024, dtype=bf), qa, qb, sz, bits, 128)
         quant.quant_matmul(torch.randn(5, 2048, dtype=bf), qa, qb, sz, bits, 128, swiglu=True)
+        gated_ = quant.ROWS_GATED_NORM, quant.GATED_NORM_I8  # the head scale in x's digits
+        quant.ROWS_GATED_NORM = quant.GATED_NORM_I8 = True
+        for m, gs in ((3, torch.rand(3, 8, 4)), (1, torch.rand(8, 4))):
+            assert quant.quant_matmul_group_scaled(torch.randn(m, 1024, dtype=bf), gs, 1e-6, qa,
+                                                   qb, sz, bits, 128) is not None
+        quant.ROWS_GATED_NORM, quant.GATED_NORM_I8 = gated_
         fold_, quant.ROWS_FOLD = quant.ROWS_FOLD, True  # the residual norm per row (opt-in)
         u3 = torch.randn(3, 3, 1024, dtype=bf)
         r = quant.quant_matmul_residual_norm(u3[0], u3[1], u3[2, 0], *layer(1024, bits), bits,

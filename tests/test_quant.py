@@ -195,20 +195,22 @@ def check_tc_norm(n, k, bits, g, device, seed, tol=None, via_engine=False, **kw)
 
 
 def check_tc_gscale(n, k, bits, g, device, seed, parts=2, tol=None, via_engine=False,
-                    **kw) -> None:
+                    m=1, **kw) -> None:
     """gemv_tc with each group's sums scaled by rsqrt(sum(gs[group]) / g + eps) (gscale=...:
     KDA's gated output norm, per-head scale from the decode kernel's sums of squares) == the
     naive matmul of x with each group scaled first. via_engine: through
-    engine.quant_matmul_group_scaled (as the model calls it)."""
+    engine.quant_matmul_group_scaled (as the model calls it), for m rows of x (gs [m, groups,
+    parts] then: kda_rows's)."""
     from volundr.kernels.quant import engine
     from volundr.kernels.quant.gemv_tc import gemv_tc
 
     qa, qb, sz = _layer(n, k, bits, g, device, seed)
-    x = torch.randn(1, k, device=device).to(torch.bfloat16)
-    gs = torch.rand(k // g, parts, device=device) * 100 + 1  # heads of different scales
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    gs = torch.rand(m, k // g, parts, device=device) * 100 + 1  # heads of different scales
     r = torch.rsqrt(gs.sum(-1) / g + 1e-6)
-    ref = naive_quant_matmul((x.float().view(-1, g) * r[:, None]).view(1, k), qa, qb, sz, bits,
-                             g, k)
+    ref = naive_quant_matmul((x.float().view(m, -1, g) * r[..., None]).view(m, k), qa, qb, sz,
+                             bits, g, k)
+    gs = gs if m > 1 else gs[0]
     if via_engine:
         y = engine.quant_matmul_group_scaled(x, gs, 1e-6, qa, qb, sz, bits, g)
     else:
@@ -219,8 +221,9 @@ def check_tc_gscale(n, k, bits, g, device, seed, parts=2, tol=None, via_engine=F
     assert err < tol, (n, k, bits, g, kw, err)
 
 
-def check_scaled_module(bits: int, device: str = "cpu", heads: int = 4, n: int = 64) -> None:
-    """The model's path: a GroupScaled [1, heads * 128] into a mixed-bit QuantLinear (KDA's
+def check_scaled_module(bits: int, device: str = "cpu", heads: int = 4, n: int = 64,
+                        m: int = 1) -> None:
+    """The model's path: a GroupScaled [m, heads * 128] into a mixed-bit QuantLinear (KDA's
     o_proj) is folded into its GEMV (the unfolded value is never made) and gives the unfolded
     path's y; the layer says so beforehand (`folds_gated_norm`), and not for another head dim."""
     from contextlib import nullcontext
@@ -231,15 +234,15 @@ def check_scaled_module(bits: int, device: str = "cpu", heads: int = 4, n: int =
     from volundr.model.layers import GroupScaled
 
     lin = quantize_random_linear(n, heads * 128, bits, 128, device, seed=_seed())
-    u = torch.randn(1, heads * 128, device=device).to(torch.bfloat16)
-    ss = torch.rand(1, heads, 2, device=device) * 200 + 1
+    u = torch.randn(m, heads * 128, device=device).to(torch.bfloat16)
+    ss = torch.rand(m, heads, 2, device=device) * 200 + 1
     on_cpu = mock.patch.object(ops, "_fast", lambda t, name: ops._fast_module(name))
     with on_cpu if device == "cpu" else nullcontext():
         assert lin.folds_gated_norm(u, 128) and not lin.folds_gated_norm(u, 64)
         with mock.patch.object(GroupScaled, "value", side_effect=AssertionError("not folded")):
             y = lin(GroupScaled(u, ss, 1e-6))
         y_ref = lin(GroupScaled(u, ss, 1e-6).value())
-    assert y.shape == (1, n) and _rel(y, y_ref) < (8e-3 if device == "cuda" else 2e-2), bits
+    assert y.shape == (m, n) and _rel(y, y_ref) < (8e-3 if device == "cuda" else 2e-2), bits
 
 
 def check_kda_layer_fold(seed: int) -> None:
@@ -998,6 +1001,12 @@ def test_cuda_gemv_tc_group_scales(bits, monkeypatch):
     check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), parts=1, reps=1, splits=3, early=0)
     check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), parts=4, via_engine=True)
     check_scaled_module(bits, "cuda", 40, 5120)
+    # the scale in x's digits (opt-in): gemv_i8 at M = 1, gemv_i8_rows for a check's rows
+    monkeypatch.setattr(engine, "GATED_NORM_I8", True)
+    monkeypatch.setattr(engine, "ROWS_GATED_NORM", True)
+    for m in (1, 3, 16):
+        check_tc_gscale(5120, 5120, bits, 128, "cuda", _seed(), parts=4, via_engine=True, m=m)
+        check_scaled_module(bits, "cuda", 40, 5120, m)
 
 
 @gpu

@@ -124,9 +124,16 @@ class KDA(nn.Module):
                 return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
                                 post)
         elif b.stash is not None and self._rows_fit(qkv, b):  # a check: conv + KDA, one launch
+            # (and the gated output norm, its per-head scale left to o_proj, where it folds it)
+            fold = getattr(self.o_proj, "folds_gated_norm", None)
+            gated = (g_out, self.o_norm.weight) if fold is not None and fold(qkv, K) else None
             o = ops.kda_rows(qkv, *decode_args, f, beta, self.state, b.slot_ids, b.cu_seqlens,
-                             K ** -0.5, self.A_log, self.dt_bias)
+                             K ** -0.5, self.A_log, self.dt_bias, gated=gated)
             b.stash.append((self, (qkv, f, beta)))
+            if gated is not None:
+                u, ss = o
+                return out_proj(self.o_proj, GroupScaled(u.reshape(T, H * K), ss, self.eps),
+                                post)
         else:
             o = self._mix(qkv, f, beta, b, update=b.stash is None)
             if b.stash is not None:

@@ -55,6 +55,10 @@ class GroupScaled:
     def shape(self) -> torch.Size:
         return self.x.shape
 
+    def row_ss(self) -> torch.Tensor:
+        """ss as the GEMVs take it: [H, P] for one row, [T, H, P] for several."""
+        return self.ss[0] if self.x.shape[0] == 1 else self.ss
+
     def value(self) -> torch.Tensor:
         t, hd = self.x.shape
         h = self.ss.shape[1]

@@ -172,12 +172,13 @@ class QuantLinear(nn.Module):
                                            like.dtype, self.bits, self.group_size, head_dim))
 
     def _forward_scaled(self, g: GroupScaled) -> torch.Tensor | None:
-        """y of the folded per-head scale (at M = 1), or None where no kernel folds it."""
+        """y of the folded per-head scale (M = 1; 2-16 rows where the kernels fold it per
+        row), or None where no kernel folds it."""
         fast = ops._fast(g.x, "quant")
-        if fast is None or g.x.shape[0] != 1 or self.qa.device != g.x.device:
+        if fast is None or self.qa.device != g.x.device:
             return None
-        return fast.quant_matmul_group_scaled(g.x, g.ss[0], g.eps, self.qa, self.qb, self.sz,
-                                              self.bits, self.group_size)
+        return fast.quant_matmul_group_scaled(g.x, g.row_ss(), g.eps, self.qa, self.qb,
+                                              self.sz, self.bits, self.group_size)
 
     def _rscaled(self, p: Normed) -> torch.Tensor | None:
         """y of RMSNorm(h) from p's h w and sums of squares (M = 1; 2-16 rows where the
@@ -205,7 +206,7 @@ class QuantLinear(nn.Module):
         norm = post.norm
         r = fast.quant_matmul_residual_norm(
             xx, post.residual, norm.weight, self.qa, self.qb, self.sz, self.bits,
-            self.group_size, swiglu=swiglu, gscale=None if g is None else (g.ss[0], g.eps))
+            self.group_size, swiglu=swiglu, gscale=None if g is None else (g.row_ss(), g.eps))
         if r is None:
             return None
         h, xw, ss, dg = r

@@ -84,11 +84,13 @@ def _kda_rows_kernel(
     s_xt, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, HAS_DT_BIAS: tl.constexpr, UPDATE: tl.constexpr,
+    z=None, nw=None, ss=None, s_zt=0, GATED: tl.constexpr = False,
 ):
     """x [T, C] raw q|k|v (row stride s_xt), C = 2HK + HV; cw [C, W]; cs [slots, C, W - 1];
     g [T, H, K] gate logits, beta [T, H] logits (strides s_g*, s_b*); h [slots, H, K, V] fp32;
     cu [2n + 1] int32, slot_ids [2n]; o [T, H, V] (check); cnt [>= n H] int32 zeros (commit).
-    Grid (cdiv(V, BV), n H)."""
+    Grid (cdiv(V, BV), n H). GATED (check): as kda_decode's, o = o' nw sigmoid(z) and
+    ss [T, H, NV] each program's sum of o'^2 (o' = o rounded; zeros in gap rows)."""
     pdl.trigger()  # a PDL-launched successor may start
     NV: tl.constexpr = (V + BV - 1) // BV
     C: tl.constexpr = 2 * H * K + H * V
@@ -110,6 +112,9 @@ def _kda_rows_kernel(
     b_dt = tl.zeros([BK], dtype=tl.float32)
     if HAS_DT_BIAS:
         b_dt = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_nw = tl.zeros([BV], dtype=tl.float32)
+    if GATED:
+        b_nw = tl.load(nw + o_v, mask=m_v, other=0.0).to(tl.float32)
     pdl.wait()  # PDL: inputs come from the kernel before
     bos = tl.load(cu + 2 * i_n).to(tl.int64)
     eos = tl.load(cu + 2 * i_n + 1).to(tl.int64)
@@ -122,6 +127,8 @@ def _kda_rows_kernel(
         for t in range(eos, end):
             tl.store(o + (t * H + i_h) * V + o_v, tl.zeros([BV], dtype=o.dtype.element_ty),
                      mask=m_v)
+            if GATED:
+                tl.store(ss + (t * H + i_h) * NV + i_v, 0.0)
     if eos > bos:
         p_h = h + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
         b_h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
@@ -135,6 +142,8 @@ def _kda_rows_kernel(
                                               m_v, i_h, o_k, s_xt, s_gt, s_gh, s_bt, s_bh)
         for t in range(bos, eos):
             x_q, x_k, x_v, b_g, b_b = n_q, n_k, n_v, n_g, n_b
+            if GATED and not UPDATE:  # this row's output gate, on its way during the row
+                b_z = tl.load(z + t * s_zt + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             n_q, n_k, n_v, n_g, n_b = _row_inputs(x, g, beta, t + 1, t + 1 < eos, c_q, c_k, c_v,
                                                   m_k, m_v, i_h, o_k, s_xt, s_gt, s_gh, s_bt,
                                                   s_bh)
@@ -148,6 +157,11 @@ def _kda_rows_kernel(
             b_h, b_o = kda_update(b_h, b_q, b_k, b_v, b_g, b_b, A_log, dt_bias, i_h, o_k, m_k,
                                   scale, K, True, False, False, True)
             if not UPDATE:
+                if GATED:  # the norm reads the rounded o (kda_decode's GATED)
+                    b_o = b_o.to(o.dtype.element_ty).to(tl.float32)
+                    tl.store(ss + (t * H + i_h) * NV + i_v,
+                             tl.sum(tl.where(m_v, b_o * b_o, 0.0), axis=0))
+                    b_o = b_o * b_nw * tl.sigmoid(b_z)
                 tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if UPDATE:
             # every thread of this program has read the old tails before any is overwritten;
@@ -171,7 +185,7 @@ def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Ten
              g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
              cu_seqlens: torch.Tensor, scale: float, A_log: torch.Tensor,
              dt_bias: torch.Tensor | None = None, update: bool = False, BV: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor | None:
+             num_warps: int | None = None, gated: tuple | None = None):
     """A check's conv + KDA (update False: states read only; returns o) or its commit (update
     True: the states advanced over each sequence's rows; returns None), in one launch (module
     doc): what `conv.causal_conv1d` (+ SiLU) then `fused_recurrent_kda` compute there.
@@ -182,7 +196,10 @@ def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Ten
     token / head strides (last dims contiguous); state [slots, H, K, V] fp32 contiguous;
     cu_seqlens [2n + 1] int32 and slot_ids [2n], check_layout's (each sequence followed by its
     gap; slot -1 in the gap, or for a padding sequence). Returns o [T, H, V] in qkv.dtype
-    (zeros in gap and padding rows). Commits that may overlap must run on one stream."""
+    (zeros in gap and padding rows). Commits that may overlap must run on one stream.
+    gated = (z [T, H, V] output gate logits (heads V apart, unit channel stride), norm weight
+    [V]), check only: returns (o w sigmoid(z), ss [T, H, cdiv(V, BV)] fp32 partial sums of o^2),
+    as kda_decode's `gated`: KDA's gated output norm with its per-head scale left to o_proj."""
     T, C = qkv.shape
     _, H, K, V = state.shape
     W = conv_weight.shape[-1]
@@ -203,9 +220,18 @@ def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Ten
     if g.stride(-1) != 1:
         g = g.contiguous()
     o = None if update else qkv.new_empty(T, H, V)
-    if n2 == 0:
-        return o
     BV = min(BV or CONFIG["BV"], triton.next_power_of_2(V))
+    gkw, ss = {}, None
+    if gated is not None:
+        z, nw = gated
+        if (update or z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V
+                or nw.numel() != V):
+            raise ValueError("gated (a check's): z [T, H, V] with heads V apart, unit channel "
+                             "stride; norm weight [V]")
+        ss = torch.empty(T, H, triton.cdiv(V, BV), dtype=torch.float32, device=qkv.device)
+        gkw = dict(z=z, nw=nw.contiguous(), ss=ss, s_zt=z.stride(0), GATED=True)
+    if n2 == 0:
+        return o if ss is None else (o, ss)
     cnt = _counters(qkv.device, n2 // 2 * H)
     _kda_rows_kernel[(triton.cdiv(V, BV), n2 // 2 * H)](
         qkv, conv_weight.contiguous(), conv_state, g, beta, o, state, cu_seqlens, slot_ids, cnt,
@@ -213,5 +239,5 @@ def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Ten
         qkv.stride(0), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, W=W,
         HAS_DT_BIAS=dt_bias is not None, UPDATE=update,
-        num_warps=num_warps or CONFIG["num_warps"], launch_pdl=pdl.ON.value)
-    return o
+        num_warps=num_warps or CONFIG["num_warps"], launch_pdl=pdl.ON.value, **gkw)
+    return o if ss is None else (o, ss)

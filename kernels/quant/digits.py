@@ -81,10 +81,13 @@ def _store_xd(xi, g0, xd_ptr, num_groups, GN: tl.constexpr, WA: tl.constexpr,
 
 @triton.jit
 def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, up_off, x_row, G: tl.constexpr,
-                   WA: tl.constexpr, NB: tl.constexpr, SWIGLU: tl.constexpr):
+                   WA: tl.constexpr, NB: tl.constexpr, SWIGLU: tl.constexpr, gs_ptr=None,
+                   n_gs=1, eps=0.0, GSCALE: tl.constexpr = False, NGS: tl.constexpr = 1):
     """Program (st, row): the 4 groups of set st of x's row `row` (x_row elements apart), as
     naive_x_digits lays them out (row r's xd and xg r whole arrays apart). SWIGLU: x =
-    SiLU(x[:K]) * x[K:] (up_off = K) rounded to x's dtype, as gemv_tc's loads make it."""
+    SiLU(x[:K]) * x[K:] (up_off = K) rounded to x's dtype, as gemv_tc's loads make it.
+    GSCALE: group g of row r scaled by rsqrt(sum(gs[r, g, :n_gs]) / G + eps) through its xg
+    (sx and sx sum xi; xi is scale-free): KDA's gated output norm, per head (G channels)."""
     pdl.trigger()
     pdl.wait()
     st, row = tl.program_id(0), tl.program_id(1)
@@ -98,16 +101,25 @@ def _digits_kernel(x_ptr, xd_ptr, xg_ptr, num_groups, up_off, x_row, G: tl.const
         xv = (xv * tl.sigmoid(xv) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     xi, sx, xq = _scale(tl.reshape(xv, [4, G]))
     g4 = st * 4 + tl.arange(0, 4)
+    if GSCALE:
+        p = tl.arange(0, NGS)
+        gs = tl.load(gs_ptr + (row * num_groups + g4[:, None]) * n_gs + p[None, :],
+                     mask=p[None, :] < n_gs, other=0.0)
+        r = tl.rsqrt(tl.sum(gs, axis=1) / G + eps)
+        sx, xq = sx * r, xq * r
     tl.store(xg_ptr + g4 * 2, sx)
     tl.store(xg_ptr + g4 * 2 + 1, xq)
     _store_xd(xi, st * 4, xd_ptr, num_groups, 4, WA, NB)
 
 
-def x_digits(x: torch.Tensor, bits: int, group_size: int = 128,
-             swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def x_digits(x: torch.Tensor, bits: int, group_size: int = 128, swiglu: bool = False,
+             gscale: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (swiglu: [M, 2K], gate then up) -> (xd int32 [2, K / G, WA, NB], xg fp32
     [K / G, 2]) in one launch, each with a leading [M] when M > 1 (gemv_i8_rows); row r is
-    naive.naive_x_digits(x[r:r + 1]). K a multiple of 4 G."""
+    naive.naive_x_digits(x[r:r + 1]). K a multiple of 4 G. gscale = (gs [M, K / G, P] fp32
+    partial sums of squares, eps): row r's group g times rsqrt(sum(gs[r, g]) / G + eps), so
+    that a GEMV on these digits computes (GroupScaled(x, gs, eps).value()) @ W^T without the
+    norm's rounding to x's dtype (what gemv_tc's `gscale` computes)."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     groups, m = k // group_size, x.shape[0]
     assert groups % 4 == 0 and x.stride(-1) == 1
@@ -115,8 +127,15 @@ def x_digits(x: torch.Tensor, bits: int, group_size: int = 128,
     lead = (m,) if m > 1 else ()
     xd = torch.empty(*lead, 2, groups, wa, n_b, dtype=torch.int32, device=x.device)
     xg = torch.empty(*lead, groups, 2, dtype=torch.float32, device=x.device)
+    gkw = {}
+    if gscale is not None:
+        gs, eps = gscale
+        gs = gs.reshape(m, groups, -1)
+        assert gs.dtype == torch.float32 and gs.is_contiguous() and not swiglu
+        gkw = dict(gs_ptr=gs, n_gs=gs.shape[-1], eps=eps, GSCALE=True,
+                   NGS=triton.next_power_of_2(gs.shape[-1]))
     _digits_kernel[(groups // 4, m)](x, xd, xg, groups, k, x.stride(0), G=group_size, WA=wa,
-                                     NB=n_b, SWIGLU=swiglu, launch_pdl=pdl.ON.value)
+                                     NB=n_b, SWIGLU=swiglu, launch_pdl=pdl.ON.value, **gkw)
     return xd, xg
 
 

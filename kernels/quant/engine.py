@@ -113,6 +113,14 @@ NORM_FOLD = os.environ.get("VOLUNDR_NORM_FOLD", "0") == "1"
 # VOLUNDR_GATED_NORM_FOLD=0 turns it off. (Run 22 measured a first form, the gate and the sums
 # of squares computed in o_proj's x loads: right, but o_proj took ~12 us more per call.)
 GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "1") == "1"
+# That per-head scale on the integer tensor-core GEMVs, carried by x's digits (each group's
+# scale sx times the head's 1 / rms, in the digits launch: digits.x_digits `gscale`): at M = 1
+# o_proj on gemv_i8 (+ the digits launch) instead of gemv_tc (VOLUNDR_GATED_NORM_I8=1); in a
+# speculative check (2-16 rows) kda_rows writes o w sigmoid(gate) and the sums of squares and
+# o_proj runs on gemv_i8_rows, the check's 54 gated-norm launches gone
+# (VOLUNDR_ROWS_GATED_NORM=1). Built in session 31 without a GPU: opt-in until measured.
+GATED_NORM_I8 = os.environ.get("VOLUNDR_GATED_NORM_I8", "0") == "1"
+ROWS_GATED_NORM = os.environ.get("VOLUNDR_ROWS_GATED_NORM", "0") == "1"
 # A layer's residual add and the next RMSNorm split between two tensor-core GEMVs at M = 1
 # (the output projection's epilogue writes h, h w and per-tile sums of h^2; the next input
 # projection reads h w and scales its y by 1 / rms): the norm launch at every boundary between
@@ -258,24 +266,36 @@ def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
 def folds_group_scale(m: int, k: int, n: int, dtype: torch.dtype, bits: int, group_size: int,
                       head_dim: int) -> bool:
     """Whether `quant_matmul_group_scaled` takes an x [m, k] of `dtype` for this layer (N = n):
-    GATED_NORM_FOLD on, head dim = group size, and what the tensor-core GEMV takes (M = 1)."""
+    GATED_NORM_FOLD on, head dim = group size, and what the tensor-core GEMV takes (M = 1) or,
+    with ROWS_GATED_NORM, gemv_i8_rows (2-16 rows)."""
     x = torch.empty(m, k, dtype=dtype, device="meta")
-    return GATED_NORM_FOLD and head_dim == group_size and _takes_gemv_tc(x, k, n, bits,
-                                                                          group_size)
+    if not (GATED_NORM_FOLD and head_dim == group_size):
+        return False
+    if m == 1:
+        return _takes_gemv_tc(x, k, n, bits, group_size)
+    return ROWS_GATED_NORM and _rows_config(x, k, n, bits, group_size) is not None
 
 
 def quant_matmul_group_scaled(x: torch.Tensor, gs: torch.Tensor, eps: float, qa: torch.Tensor,
                               qb: torch.Tensor, sz: torch.Tensor, bits: int,
                               group_size: int) -> torch.Tensor | None:
-    """y = sum over groups g of rsqrt(sum(gs[g]) / G + eps) x_g @ W_g^T in one launch, for
-    x [1, K] and gs [K / G, P] fp32 partial sums of squares: KDA's gated output norm, its
-    per-head scale folded into o_proj (x = o w sigmoid(gate) and gs from the KDA decode
-    kernel); None where the GEMV does not take it (`folds_group_scale`)."""
-    if not (folds_group_scale(x.shape[0], x.shape[1], qa.shape[1], x.dtype, bits, group_size,
-                              group_size) and x.is_contiguous() and gs.is_contiguous()):
+    """y = sum over groups g of rsqrt(sum(gs[g]) / G + eps) x_g @ W_g^T in one launch (and the
+    digits' on gemv_i8), for x [1, K] and gs [K / G, P] fp32 partial sums of squares: KDA's
+    gated output norm, its per-head scale folded into o_proj (x = o w sigmoid(gate) and gs
+    from the KDA decode kernel); x [M, K] and gs [M, K / G, P] (kda_rows) row by row. None
+    where the GEMV does not take it (`folds_group_scale`)."""
+    m, k, n = x.shape[0], x.shape[1], qa.shape[1]
+    if not (folds_group_scale(m, k, n, x.dtype, bits, group_size, group_size)
+            and x.is_contiguous() and gs.is_contiguous()):
         return None
+    if m > 1:
+        return gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, gscale=(gs, eps),
+                                         **_rows_config(x, k, n, bits, group_size))
+    if GATED_NORM_I8 and _takes_gemv_i8(x, k, n, bits, group_size):
+        return gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, gscale=(gs, eps),
+                               **gemv_i8.config(bits, n, k))
     return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, gscale=(gs, eps),
-                           **tc_config(bits, qa.shape[1], x.shape[1]))
+                           **tc_config(bits, n, k))
 
 
 def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -292,7 +312,8 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
     digits_in: x's digits made before (digits.empty's layout; for gemv_i8, else unread).
     None where it does not apply (RESIDUAL_NORM_FOLD off, gscale with GATED_NORM_FOLD off,
     a shape or dtype the tensor-core GEMV does not take). M > 1 (x [M, K], residual [M, N]):
-    on gemv_i8_rows with ROWS_FOLD (no gscale, no digits), ss [M, tiles], dg None."""
+    on gemv_i8_rows with ROWS_FOLD (gscale [M, K / G, P] with ROWS_GATED_NORM; no digits_in),
+    ss [M, tiles], dg None."""
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     n = qa.shape[1]
     if x.shape[0] > 1:
@@ -303,7 +324,7 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
             and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
             and residual.shape == (1, n) and residual.dtype == norm_weight.dtype == x.dtype):
         return None
-    i8 = gscale is None and _takes_gemv_i8(x, k, n, bits, group_size)
+    i8 = (gscale is None or GATED_NORM_I8) and _takes_gemv_i8(x, k, n, bits, group_size)
     cfg = gemv_i8.config(bits, n, k) if i8 else tc_config(bits, n, k)
     tiles = (gemv_i8.tiles(n, cfg["reps"]) if i8
              else gemv_tc.tiles(n, cfg["reps"], cfg["num_warps"]))
@@ -315,7 +336,7 @@ def quant_matmul_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_wei
           and digits.fits(n, bn) else None)
     if i8:
         gemv_i8.gemv_i8(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, residual=res,
-                        out_digits=dg, **cfg,
+                        out_digits=dg, **cfg, gscale=gscale,
                         digits=None if digits_in is None else digits.views(digits_in, bits))
     else:
         gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, out=h, swiglu=swiglu, gscale=gscale,
@@ -329,8 +350,8 @@ def _rows_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     """quant_matmul_residual_norm at M > 1 (gemv_i8_rows' residual epilogue, ROWS_FOLD)."""
     m, n = x.shape[0], qa.shape[1]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
-    kw = (_rows_config(x, k, n, bits, group_size)
-          if ROWS_FOLD and RESIDUAL_NORM_FOLD and gscale is None else None)
+    kw = (_rows_config(x, k, n, bits, group_size) if ROWS_FOLD and RESIDUAL_NORM_FOLD
+          and (gscale is None or ROWS_GATED_NORM and GATED_NORM_FOLD) else None)
     if (kw is None or not (x.is_contiguous() and residual.is_contiguous()
                            and norm_weight.is_contiguous() and residual.shape == (m, n)
                            and residual.dtype == norm_weight.dtype == x.dtype)):
@@ -338,7 +359,7 @@ def _rows_residual_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     h, xw = torch.empty_like(residual), torch.empty_like(residual)
     ss = torch.empty(m, gemv_i8.tiles(n, kw["reps"]), dtype=torch.float32, device=x.device)
     gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu, out=h,
-                              residual=(residual, norm_weight, xw, ss), **kw)
+                              residual=(residual, norm_weight, xw, ss), gscale=gscale, **kw)
     return h, xw, ss, None
 
 

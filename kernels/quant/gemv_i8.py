@@ -302,7 +302,7 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
             splits: int | None = None, residual: tuple | None = None,
             out_digits: torch.Tensor | None = None,
             out_swiglu_digits: torch.Tensor | None = None,
-            late: bool | None = None) -> torch.Tensor:
+            late: bool | None = None, gscale: tuple | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`).
     x's digits from `x_digits` (one launch; swiglu: x [1, 2K] = (gate, up) and y = (SiLU(gate)
     * up) @ W^T), or `digits` = (xd, xg) made before (one x feeding several GEMVs). rscale =
@@ -313,11 +313,14 @@ def gemv_i8(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.Tenso
     (`digits.views`), so that its digits launch goes. out_swiglu_digits (y = an MLP's fused
     (gate, up), N even; `digits.empty(N / 2)`): the digits of SiLU(gate) * up written, for the
     down projection's gemv_i8 (`digits.views`). late: PDL's trigger after the main loop
-    instead of at the top (None: LATE_TRIGGER)."""
+    instead of at the top (None: LATE_TRIGGER). gscale = (gs [K / G, P] fp32, eps): KDA's
+    gated output norm per head, in x's digits (`x_digits`; gemv_tc's `gscale`)."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
     assert supported(x, bits, group_size, n, k, reps), (x.shape, bits, group_size, n, k)
-    xd, xg = digits if digits is not None else x_digits(x, bits, group_size, swiglu)
+    assert digits is None or gscale is None
+    xd, xg = digits if digits is not None else x_digits(x, bits, group_size, swiglu,
+                                                        gscale)
     num_groups = k // group_size
     n_tiles = tiles(n, reps)
     sps, ns = split_k(n_tiles, num_groups // 4, qa.device, waves, splits)

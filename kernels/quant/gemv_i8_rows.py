@@ -261,20 +261,21 @@ def gemv_i8_rows(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
                  waves: float = 16.0, unroll: int = 1, maxnreg: int | None = None,
                  splits: int | None = None, out: torch.Tensor | None = None,
                  rscale: tuple | None = None, residual: tuple | None = None,
-                 prefetch: bool = False) -> torch.Tensor:
+                 prefetch: bool = False, gscale: tuple | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype (W: pack.py's planes qa, qb, sz; `supported`);
     swiglu: x [M, 2K] = (gate, up) and y = (SiLU(gate) * up) @ W^T. rscale = (rs [M, P] fp32,
     eps): row r of y times rsqrt(sum(rs[r]) / K + eps) (engine.quant_matmul_rscaled).
     residual = (r, w, xs, ss): out = h = y + r [M, N], xs = h w [M, N], ss [M, tiles(N, reps)]
     fp32 each row's tile sums of h^2 (engine.quant_matmul_residual_norm). prefetch: each trip's
-    words loaded during the one before (not yet measured on a GPU)."""
+    words loaded during the one before (not yet measured on a GPU). gscale = (gs [M, K / G, P]
+    fp32, eps): KDA's gated output norm per head, in x's digits (`x_digits`)."""
     m = x.shape[0]
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     n = qa.shape[1]
     assert supported(x, bits, group_size, n, k, reps, unroll), (x.shape, bits, n, k, unroll)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    xd, xg = x_digits(x, bits, group_size, swiglu)
+    xd, xg = x_digits(x, bits, group_size, swiglu, gscale)
     num_groups = k // group_size
     n_tiles = tiles(n, reps)
     gps, ns = split_k(n_tiles, num_groups // unroll, qa.device, waves, splits)
