@@ -10,13 +10,12 @@ are checked, the barrier is not. CUDA: the real barrier at Volundr-32B shapes, i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from contextlib import nullcontext
 from unittest import mock
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -192,11 +191,7 @@ def run_cpu() -> None:
 
 
 def test_chain_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               VOLUNDR_QUANT_GEMV="tc")
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__, timeout=900, VOLUNDR_QUANT_GEMV="tc")
 
 
 def test_occupancy_matches_sm90_limits():

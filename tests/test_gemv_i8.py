@@ -9,12 +9,11 @@ shapes, and the engine's path with VOLUNDR_QUANT_GEMV=i8.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 
 from volundr.kernels.quant import gemv_i8 as gi
 from volundr.kernels.quant.naive import XMAX, naive_quant_matmul, naive_x_digits
@@ -181,10 +180,7 @@ def test_naive_digits_reconstruct_x():
 
 
 def test_digits_launch_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__, "digits"], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and "digits ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "digits ok" in run_interpreted(__file__, "digits")
 
 
 def _xi(xd: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,13 @@ SwiGLU x and split-K or not; the engine's rows path."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from interpreted import run_interpreted  # (tests/ is on the path)
 from test_gemv_i8 import int_digits, run_asm  # (tests/ is on the path, pytest or script)
 
 from volundr.kernels.quant import gemv_i8_rows as gr
@@ -159,11 +158,8 @@ def check_rows_digits(device: str) -> None:
 
 
 def test_rows_digits_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__, "digits"], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and "rows digits ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "epilogue ok" in r.stdout, r.stdout[-3000:]
+    out = run_interpreted(__file__, "digits")
+    assert "rows digits ok" in out and "epilogue ok" in out, out[-3000:]
 
 
 def check_epilogue() -> None:

@@ -9,12 +9,9 @@ the variable never reaches other tests. CUDA: Volundr-32B shapes (40 heads of 12
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 from test_quant import (  # (tests/ is on the path under pytest and as a script)
     _rel,
     _seed,
@@ -125,10 +122,7 @@ def run_cpu() -> None:
 
 
 def test_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

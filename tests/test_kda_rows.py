@@ -4,18 +4,15 @@ rows, with the states untouched; the commit's state and conv tail == the naive o
 sequence's rows; gap rows and a padding sequence's rows are zeros. And the KDA layer's check +
 commit with the fused launches == without (ops.kda_rows vs `_mix`).
 
-CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (this file run as a script), so
+CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (this file run as a script; tests/interpreted.py), so
 the variable never reaches other tests. CUDA: Volundr-32B shapes (40 heads of 128).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 from test_quant import (  # (tests/ is on the path under pytest and as a script)
     _rel,
     _seed,
@@ -207,10 +204,7 @@ def run_cpu() -> None:
 
 
 def test_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

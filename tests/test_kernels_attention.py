@@ -12,11 +12,11 @@ also K/V off the grid, rounded by store_kv and by prefill's read of the new toke
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 
 from volundr.kernels.attention.cache import FP8
 from volundr.kernels.attention.naive import naive_paged_attention, naive_store_kv
@@ -239,10 +239,7 @@ def run_cpu(group: str) -> None:
 
 @pytest.mark.parametrize("group", ["store", "prefill", "phased", "decode", "fp8"])
 def test_interpreter(group):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__, group)
 
 
 # --- CUDA, Volundr-32B shapes: 40 q heads, 2 KV heads, head_dim 128, block_size 16, bf16 ---

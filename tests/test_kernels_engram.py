@@ -6,11 +6,10 @@ CPU: TRITON_INTERPRET=1 in a subprocess (this file run as a script)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 
 from volundr.config import EngramConfig
 from volundr.kernels.engram.naive import engram_rows, naive_lookup
@@ -67,10 +66,7 @@ def run_cpu() -> None:
 
 
 def test_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 def test_hash_matches_the_contract():

@@ -10,11 +10,10 @@ sum is checked on CUDA and for fp16/fp32.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 
 from volundr.kernels.norm.naive import naive_rms_norm, naive_rms_norm_gated, naive_swiglu
 
@@ -103,10 +102,7 @@ def run_cpu() -> None:
 
 
 def test_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 
 from volundr.kernels.quant.fit import fit_quant, minmax_quant, output_error
 from volundr.kernels.quant.naive import dequantize, naive_quant_matmul
@@ -484,12 +484,9 @@ def run_cpu(group: str) -> None:
 
 @pytest.mark.parametrize("group", ["gemv", "batch", "gemv_tc", "gemm_tc"])
 def test_interpreter(group):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               VOLUNDR_QUANT_GEMV="tc" if group == "gemv_tc" else "fma",
-               VOLUNDR_QUANT_GEMM16="tc" if group == "gemm_tc" else "tile")
-    r = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__, group,
+                    VOLUNDR_QUANT_GEMV="tc" if group == "gemv_tc" else "fma",
+                    VOLUNDR_QUANT_GEMM16="tc" if group == "gemm_tc" else "tile")
 
 
 # ---- gemv_tc's inline PTX, emulated (the interpreter runs its pure-Triton twin instead) -------

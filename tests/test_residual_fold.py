@@ -10,14 +10,12 @@ the variable never reaches other tests. CUDA: Volundr-32B shapes.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
+from interpreted import run_interpreted  # (tests/ is on the path)
 from test_quant import _rel, _seed  # (tests/ is on the path under pytest and as a script)
 
 from volundr.kernels.norm.naive import naive_rms_norm, naive_swiglu
@@ -306,11 +304,7 @@ def run_cpu() -> None:
 
 
 def test_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               VOLUNDR_QUANT_GEMV="tc")
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_interpreted(__file__, timeout=900, VOLUNDR_QUANT_GEMV="tc")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
