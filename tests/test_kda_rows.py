@@ -4,8 +4,9 @@ rows, with the states untouched; the commit's state and conv tail == the naive o
 sequence's rows; gap rows and a padding sequence's rows are zeros. And the KDA layer's check +
 commit with the fused launches == without (ops.kda_rows vs `_mix`).
 
-CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (this file run as a script; tests/interpreted.py), so
-the variable never reaches other tests. CUDA: Volundr-32B shapes (40 heads of 128).
+CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (this file run as a script,
+tests/interpreted.py), so the variable never reaches other tests; the math in fp32 there, bf16
+loosely (the interpreter truncates to bf16). CUDA: Volundr-32B shapes (40 heads of 128).
 """
 
 from __future__ import annotations
