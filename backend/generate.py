@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--device", default=None)
@@ -38,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
+                                seed=args.seed, ignore_eos=args.ignore_eos,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty,
+                                repetition_penalty=args.repetition_penalty)
     except ValueError as e:
         ap.error(str(e))
     if args.tp < 1:

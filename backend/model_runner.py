@@ -352,7 +352,8 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
             if logits is not None:  # rank 0 (tensor parallel: the others got None)
-                toks[j] = logits.argmax(dim=1) if greedy else self.sampler.sample(logits, seqs)
+                toks[j] = (logits.argmax(dim=1) if greedy
+                           else self.sampler.sample(logits, seqs, toks[:j]))
             if self.tp.size > 1:  # the next step's input, which every rank's lookups read
                 dist.broadcast(toks[j], src=0)
         return toks.tolist()

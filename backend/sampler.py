@@ -1,15 +1,83 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Sampling uses the exponential-race form of the Gumbel trick: token = argmax(p_i / E_i) with
 E_i ~ Exp(1). A seeded request draws its E from its own generator, one row per step, so its
-tokens do not depend on which other requests share the batch.
+tokens do not depend on which other requests share the batch. Penalties change the logits
+first, greedy requests' too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from volundr.sampling_params import SamplingParams
 from volundr.sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """Penalized logits [M, V] (vLLM's order): a token seen in the prompt or the output has its
+    logit divided by `repetition` if positive, else multiplied; then every token loses
+    frequency * (its count in the output) + presence * (1 if it is in the output).
+
+    logits [M, V] fp32; counts [M, V] (output counts); seen [M, V] bool; presence, frequency,
+    repetition [M] float."""
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+
+
+def _count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
+    """[len(rows), V + 1] fp32: row i's count of each token id (column V: padding)."""
+    width = max(1, *(len(r) for r in rows))
+    ids = torch.tensor([r + [V] * (width - len(r)) for r in rows], dtype=torch.long)
+    if dev.type == "cuda":
+        ids = ids.pin_memory().to(dev, non_blocking=True)
+    return torch.zeros(len(rows), V + 1, device=dev).scatter_add_(
+        1, ids, torch.ones(ids.shape, device=dev))
+
+
+def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+             prompts: list[list[int]], recent: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [M, V] with each row's penalties applied (`apply_penalties`; rows without any are
+    returned as they are, and logits itself when no row has one). outputs[i]: the tokens row i
+    has generated so far; prompts[i]: its prompt's (read for a repetition penalty only);
+    recent [j, M] long: tokens generated on the device after outputs (multi-step decode)."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    counts = _count_rows([outputs[i] for i in rows], V, dev)
+    idx = torch.tensor(rows, device=dev)
+    if recent is not None and recent.shape[0]:
+        counts.scatter_add_(1, recent[:, idx].t(), torch.ones(len(rows), recent.shape[0],
+                                                               device=dev))
+    counts = counts[:, :V]
+    seen = counts > 0
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        seen |= _count_rows([prompts[i] for i in rows], V, dev)[:, :V] > 0
+
+    def col(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)
+
+    sub = apply_penalties(logits[idx].float(), counts, seen, col("presence_penalty"),
+                          col("frequency_penalty"), col("repetition_penalty"))
+    return logits.index_copy(0, idx, sub.to(logits.dtype))
+
+
+def penalize_seqs(logits: torch.Tensor, seqs: list[Sequence],
+                  recent: torch.Tensor | None = None,
+                  extra: list[list[int]] | None = None) -> torch.Tensor:
+    """`penalize` with row i = seqs[i] (its output and prompt tokens as the engine holds them,
+    and extra[i] after its output: tokens it is assumed to have generated, a check's guesses)."""
+    if not any(s.params.penalized for s in seqs):
+        return logits
+    outs = [s.output_token_ids + (extra[i] if extra else []) if s.params.penalized else []
+            for i, s in enumerate(seqs)]
+    prompts = [s.token_ids[:s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else []
+               for s in seqs]
+    return penalize(logits, [s.params for s in seqs], outs, prompts, recent)
 
 
 def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -43,11 +111,14 @@ class Sampler:
         """logits [M, V] fp32, one row per sequence -> one token id each."""
         return self.sample(logits, seqs).tolist()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               recent: torch.Tensor | None = None) -> torch.Tensor:
         """As __call__, but the ids stay on the device ([M] long): multi-step decode feeds
-        them to the next step without a host round trip. Each seeded sequence draws one row
-        of noise per call from its own generator, so its tokens do not depend on how the
-        steps were grouped."""
+        them to the next step without a host round trip (recent [j, M]: the ids of its
+        earlier steps, which the sequences do not hold yet; read by the penalties). Each
+        seeded sequence draws one row of noise per call from its own generator, so its tokens
+        do not depend on how the steps were grouped."""
+        logits = penalize_seqs(logits, seqs, recent)
         greedy = logits.argmax(dim=1)
         if all(s.params.greedy for s in seqs):
             return greedy

@@ -51,7 +51,7 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.sampler import apply_filters
+from volundr.sampler import apply_filters, penalize_seqs
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 
@@ -153,7 +153,13 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
                   ) -> list[list[int]]:
     """Step 3 of the module doc for each sequence: its kept guesses and the token after them
     (greedy: `greedy_kept`; sampled: `accept_sampled`, logits [n, >= 1 + its guesses, V]),
-    cut to the tokens that count (`counted`)."""
+    cut to the tokens that count (`counted`). Penalties: row j of a sequence is penalized as
+    if its guesses before j were generated, as plain decoding would have them then."""
+    if any(s.params.penalized for s in seqs):
+        n, rows, V = logits.shape
+        logits = penalize_seqs(logits.reshape(n * rows, V), [s for s in seqs for _ in range(rows)],
+                               extra=[d[:j] for d in drafts for j in range(rows)]
+                               ).view(n, rows, V)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -233,7 +239,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     drafts = [s.mtp_drafts[:k] for s in seqs]
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
     L = k + 1
-    if limits is not None and all(s.params.greedy for s in seqs):
+    if limits is not None and all(s.params.greedy and not s.params.penalized for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)

@@ -57,7 +57,8 @@ class ProxyConfig:
 
 # Request fields that the server's 400 messages start with (preprocessing, the engine).
 ERROR_PARAMS = {"messages", "tools", "tool_choice", "stop", "chat_template_kwargs", "max_tokens",
-                "seed", "temperature", "top_p", "top_k", "min_p"}
+                "seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty"}
 
 
 def triton_error(e: Exception) -> APIError:
@@ -82,6 +83,9 @@ def triton_error(e: Exception) -> APIError:
 def _tensors(req: ChatRequest | CompletionRequest) -> dict:
     fields = {"max_tokens": req.limit(), "temperature": req.temperature, "top_p": req.top_p,
               "top_k": req.top_k, "min_p": req.min_p, "seed": req.seed, "stop": req.stops(),
+              "presence_penalty": req.presence_penalty or None,
+              "frequency_penalty": req.frequency_penalty or None,
+              "repetition_penalty": req.repetition_penalty,
               "ignore_eos": req.ignore_eos or None, "stream": req.stream,
               "priority": req.priority}
     if isinstance(req, ChatRequest):

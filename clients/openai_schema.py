@@ -16,7 +16,6 @@ from volundr.session import MAX_SESSION_ID_CHARS
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Sampling options this server does not implement, with the value that means "off".
-UNSUPPORTED_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 # Choices per request (`n`): each one is its own sequence in the engine.
 MAX_N = 16
 
@@ -41,7 +40,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # Unknown fields (user, presence_penalty=0, ...) are accepted and ignored, as agent
+    # Unknown fields (user, store, metadata, ...) are accepted and ignored, as agent
     # frameworks send many of them.
     model_config = ConfigDict(extra="allow")
 
@@ -52,6 +51,9 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = 1
@@ -82,11 +84,6 @@ class _Common(BaseModel):
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         extra = self.model_extra or {}
-        for name, default in UNSUPPORTED_DEFAULTS.items():  # the default value is fine
-            v = extra.get(name)
-            if v is not None and v != default:
-                raise APIError(400, f"{name} is not supported (got {v!r}); send 0 or leave it "
-                               "out", param=name)
         if extra.get("logit_bias"):  # {} and null are fine
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         # No constrained decoding: JSON output cannot be guaranteed, so say so instead of

@@ -32,6 +32,7 @@ _TYPES = {"text_input": "BYTES", "messages": "BYTES", "tools": "BYTES",
           "top_k": "INT32",
           "priority": "INT32", "stop_token_ids": "INT32", "input_ids": "INT32",
           "temperature": "FP32", "top_p": "FP32", "min_p": "FP32", "seed": "INT64",
+          "presence_penalty": "FP32", "frequency_penalty": "FP32", "repetition_penalty": "FP32",
           "random_seed": "UINT64", "ignore_eos": "BOOL", "stream": "BOOL", "return_stats": "BOOL"}
 _NP = {"BYTES": object, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,
        "FP32": np.float32, "BOOL": bool}

@@ -65,6 +65,26 @@ def test_max_completion_tokens_and_seeded_sampling(client):
     assert a.choices[0].message.content == b.choices[0].message.content  # same seed
 
 
+def test_penalties_reach_the_engine(client, serving):
+    """The SDK's presence / frequency penalties and repetition_penalty (extra_body) change
+    greedy text, the same way every time, streamed or not; Triton's HTTP generate takes them
+    as inputs of the ensemble too."""
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=24, temperature=0.0)
+    plain = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    pen = dict(kw, presence_penalty=1.0, frequency_penalty=2.0,
+               extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    a, b = (client.chat.completions.create(**pen) for _ in range(2))
+    text = a.choices[0].message.content
+    assert text != plain.choices[0].message.content and b.choices[0].message.content == text
+    chunks = client.chat.completions.create(**pen, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    body = {"text_input": "The forge", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    url = f"{serving.http_url}/v2/models/volundr/generate"
+    outs = [httpx.post(url, json={**body, **extra}, timeout=60).json()["text_output"]
+            for extra in ({}, {"presence_penalty": -2.0, "frequency_penalty": -2.0})]
+    assert outs[0] != outs[1]  # (negative: the tokens so far are favoured)
+
+
 def test_async_client_streamed_and_not(aclient):
     async def go():
         kw = dict(model="volundr", messages=MESSAGES, max_tokens=8, temperature=0.0,

@@ -44,8 +44,10 @@ def test_requests_checked_before_triton():
     bad = [({"stream_options": {"include_usage": True}}, "stream_options"),
            ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
            ({"temperature": 3.0}, "temperature"),
-           ({"presence_penalty": 0.5}, "presence_penalty"),
-           ({"frequency_penalty": -1}, "frequency_penalty"),
+           ({"presence_penalty": 2.5}, "presence_penalty"),
+           ({"frequency_penalty": -3}, "frequency_penalty"),
+           ({"repetition_penalty": 0}, "repetition_penalty"),
+           ({"presence_penalty": "NaN"}, "presence_penalty"),
            ({"logit_bias": {"42": 5}}, "logit_bias"),
            ({"tool_choice": "required"}, "needs tools"),
            ({"response_format": {"type": "json_object"}}, "'json_object' is not supported"),
@@ -66,11 +68,12 @@ def test_requests_checked_before_triton():
     for r, (_, needle) in zip(asyncio.run(go()), bad):
         assert r.status_code == 400, r.text
         assert needle in r.json()["error"]["message"]
-    # the defaults pass the checks and reach (the missing) Triton: 503
+    # the defaults pass the checks and reach (the missing) Triton: 503; penalties too
     bad = [({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
              "repetition_penalty": 1.0, "stream": True, "stream_options": {},
-             "response_format": {"type": "text"}}, "")]
-    assert [r.status_code for r in asyncio.run(go())] == [503]
+             "response_format": {"type": "text"}}, ""),
+           ({"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1.3}, "")]
+    assert [r.status_code for r in asyncio.run(go())] == [503, 503]
 
 
 def test_completions_options_checked_before_triton():

@@ -114,6 +114,8 @@ def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
         (dict(messages='[{"role": "robot", "content": "y"}]'), "unknown role"),
         (dict(text_input="x", max_tokens=-2), "max_tokens"),
         (dict(text_input="x", temperature=-1.0), "temperature"),
+        (dict(text_input="x", presence_penalty=2.5), "presence_penalty must be in"),
+        (dict(text_input="x", repetition_penalty=0.0), "repetition_penalty must be in"),
         (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
     ]
     for fields, needle in cases:

@@ -1,0 +1,116 @@
+"""Presence / frequency / repetition penalties (volundr.sampler) on the tiny Volundr (random
+weights): the penalized logits == a per-token loop; greedy decoding with penalties == an
+independent teacher-forced check (the reference model's logits after each prefix, penalized by
+that prefix); multi-step decode (later tokens made on the device), a drafter's and the MTP
+head's speculative steps (guesses counted as generated row by row) give plain decoding's
+tokens; seeded sampled requests the same alone and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_model import reference_logits
+from test_speculative import engine, greedy, models, prompts, run  # noqa: F401 (a fixture)
+
+from volundr.sampler import penalize
+from volundr.sampling_params import SamplingParams
+
+
+def naive_penalties(logits: torch.Tensor, output: list[int], prompt: list[int], presence: float,
+                    frequency: float, repetition: float) -> torch.Tensor:
+    """One row, token by token: the repetition penalty on every token of the prompt or the
+    output, then each output token's presence + frequency * count."""
+    out = logits.clone()
+    for t in set(output) | set(prompt if repetition != 1.0 else []):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t in set(output):
+        out[t] -= presence + frequency * output.count(t)
+    return out
+
+
+def test_penalize_matches_a_loop():
+    g = torch.Generator().manual_seed(7)
+    V, M = 40, 6
+    logits = torch.randn(M, V, generator=g) * 3
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
+              SamplingParams(),  # none: the row stays as it is
+              SamplingParams(repetition_penalty=1.5),
+              SamplingParams(presence_penalty=-1.0, frequency_penalty=2.0,
+                             repetition_penalty=0.8),
+              SamplingParams(frequency_penalty=1.0),
+              SamplingParams(presence_penalty=2.0, repetition_penalty=3.0)]
+    outputs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 4, 0, 15, 3, 7)]
+    outputs[4] = [5, 5, 5]  # repeats count
+    prompts_ = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3, 6, 0, 8, 2)]
+    for recent in (None, torch.randint(0, V, (3, M), generator=g)):
+        got = penalize(logits, params, outputs, prompts_, recent)
+        for i, p in enumerate(params):
+            hist = outputs[i] + ([] if recent is None else recent[:, i].tolist())
+            want = (naive_penalties(logits[i], hist, prompts_[i], p.presence_penalty,
+                                    p.frequency_penalty, p.repetition_penalty)
+                    if p.penalized else logits[i])
+            torch.testing.assert_close(got[i], want, msg=f"row {i}")
+    assert penalize(logits, [SamplingParams()] * M, outputs, prompts_) is logits
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+                                 dict(repetition_penalty=0.0),
+                                 dict(presence_penalty=float("nan"))])
+def test_penalties_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+PEN = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3)
+
+
+def test_greedy_follows_the_penalized_reference_logits(models):  # noqa: F811 (the fixture)
+    """Each greedy token is the argmax of the reference model's logits after the tokens before
+    it, penalized by them (within fp32 noise of the maximum); without penalties the tokens
+    differ (they act)."""
+    cfg, sd = models["cfg"], models["sd"]
+    prompt = prompts(1, seed=4)[0][:12]
+    ids, _, _ = run(engine(models), [("p", prompt, greedy(16, ignore_eos=True, **PEN))])
+    plain, _, _ = run(engine(models), [("p", prompt, greedy(16, ignore_eos=True))])
+    out = ids["p"]
+    assert len(out) == 16 and plain["p"] != out
+    ref = reference_logits(cfg, sd, prompt + out)  # [T, V]: row t predicts token t + 1
+    for t, tok in enumerate(out):
+        row = naive_penalties(ref[len(prompt) + t - 1], out[:t], prompt, *PEN.values())
+        assert row.max() - row[tok] < 1e-4, (t, tok, int(row.argmax()))
+
+
+def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa: F811
+                                                                monkeypatch):
+    """Greedy requests with penalties (one with stop tokens, one without any penalty) and a
+    seeded sampled one: multi-step decode (4 tokens a step on the device), a drafter (the model
+    itself: its guesses are kept, so each check row's history holds guesses; a noisy one: some
+    dropped) and the MTP head (2 guesses a step; and with its graph paths on the CPU, where a
+    greedy batch would take the one-replay step, which knows no penalties) make plain
+    decoding's tokens."""
+    from test_speculative_mtp import eager_graphs
+
+    ps = prompts(3, seed=6)
+    reqs = [("a", ps[0], greedy(20, ignore_eos=True, **PEN)),
+            ("b", ps[1], greedy(20, ignore_eos=True, frequency_penalty=-0.5)),
+            ("c", ps[2], greedy(14, ignore_eos=True))]
+    want, _, _ = run(engine(models), reqs)
+    stop = want["a"][7]
+    reqs[0] = ("a", ps[0], greedy(20, stop_token_ids=(stop,), **PEN))
+    want, want_reasons, _ = run(engine(models), reqs)
+    assert want_reasons["a"] == "stop"
+    sampled = ("s", ps[1], SamplingParams(max_tokens=12, temperature=0.9, seed=5,
+                                          ignore_eos=True, **PEN))
+    alone, _, _ = run(engine(models), [sampled])
+    for drafter, kw, graphs in ((None, dict(decode_steps=4), False), ("self", {}, False),
+                                ("noisy", {}, False), ("mtp", dict(num_speculative_tokens=2),
+                                                       False),
+                                ("mtp", dict(num_speculative_tokens=2), True)):
+        e = engine(models, drafter, **kw)
+        if graphs:
+            eager_graphs(monkeypatch, e)
+        got, reasons, _ = run(e, reqs + [sampled] if not graphs else reqs)
+        assert {r: got[r] for r in want} == want and reasons["a"] == "stop", drafter
+        assert graphs or got["s"] == alone["s"], drafter
+        if drafter is not None:
+            assert e.stats()["spec_steps"] > 0
