@@ -209,6 +209,8 @@ class LLMEngine:
                              f"{self.ecfg.max_model_len} tokens, including the output")
         if any(t < 0 or t >= self.cfg.vocab_size for t in ids):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        if any(t >= self.cfg.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.cfg.vocab_size})")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")

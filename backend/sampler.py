@@ -1,9 +1,9 @@
-"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling: penalties and logit bias, greedy, temperature, top-k, top-p, min-p, seeds.
 
 Sampling uses the exponential-race form of the Gumbel trick: token = argmax(p_i / E_i) with
 E_i ~ Exp(1). A seeded request draws its E from its own generator, one row per step, so its
-tokens do not depend on which other requests share the batch. Penalties change the logits
-first, greedy requests' too.
+tokens do not depend on which other requests share the batch. Penalties and logit_bias change
+the logits first, greedy requests' too.
 """
 
 from __future__ import annotations
@@ -38,46 +38,56 @@ def _count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tenso
         1, ids, torch.ones(ids.shape, device=dev))
 
 
-def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-             prompts: list[list[int]], recent: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [M, V] with each row's penalties applied (`apply_penalties`; rows without any are
-    returned as they are, and logits itself when no row has one). outputs[i]: the tokens row i
-    has generated so far; prompts[i]: its prompt's (read for a repetition penalty only);
-    recent [j, M] long: tokens generated on the device after outputs (multi-step decode)."""
-    rows = [i for i, p in enumerate(params) if p.penalized]
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+                  prompts: list[list[int]], recent: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [M, V] with each row's penalties (`apply_penalties`) and then its logit_bias
+    applied (rows with neither are returned as they are, and logits itself when no row has
+    any). outputs[i]: the tokens row i has generated so far; prompts[i]: its prompt's (read
+    for a repetition penalty only); recent [j, M] long: tokens generated on the device after
+    outputs (multi-step decode)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
     dev, V = logits.device, logits.shape[1]
-    counts = _count_rows([outputs[i] for i in rows], V, dev)
     idx = torch.tensor(rows, device=dev)
-    if recent is not None and recent.shape[0]:
-        counts.scatter_add_(1, recent[:, idx].t(), torch.ones(len(rows), recent.shape[0],
-                                                               device=dev))
-    counts = counts[:, :V]
-    seen = counts > 0
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        seen |= _count_rows([prompts[i] for i in rows], V, dev)[:, :V] > 0
+    sub = logits[idx].float()
+    if any(params[i].penalized for i in rows):
+        counts = _count_rows([outputs[i] if params[i].penalized else [] for i in rows], V, dev)
+        if recent is not None and recent.shape[0]:
+            counts.scatter_add_(1, recent[:, idx].t(), torch.ones(len(rows), recent.shape[0],
+                                                                   device=dev))
+        counts = counts[:, :V]
+        seen = counts > 0
+        if any(params[i].repetition_penalty != 1.0 for i in rows):
+            seen |= _count_rows([prompts[i] for i in rows], V, dev)[:, :V] > 0
 
-    def col(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)
+        def col(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in rows], device=dev)
 
-    sub = apply_penalties(logits[idx].float(), counts, seen, col("presence_penalty"),
-                          col("frequency_penalty"), col("repetition_penalty"))
+        # (a row without penalties: presence 0, frequency 0, repetition 1 change nothing)
+        sub = apply_penalties(sub, counts, seen, col("presence_penalty"),
+                              col("frequency_penalty"), col("repetition_penalty"))
+    bias = [(k, t, b) for k, i in enumerate(rows) for t, b in params[i].logit_bias]
+    if bias:
+        r, t, b = zip(*bias)
+        sub.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                       torch.tensor(b, device=dev), accumulate=True)
     return logits.index_copy(0, idx, sub.to(logits.dtype))
 
 
-def penalize_seqs(logits: torch.Tensor, seqs: list[Sequence],
-                  recent: torch.Tensor | None = None,
-                  extra: list[list[int]] | None = None) -> torch.Tensor:
-    """`penalize` with row i = seqs[i] (its output and prompt tokens as the engine holds them,
-    and extra[i] after its output: tokens it is assumed to have generated, a check's guesses)."""
-    if not any(s.params.penalized for s in seqs):
+def adjust_seqs(logits: torch.Tensor, seqs: list[Sequence],
+                recent: torch.Tensor | None = None,
+                extra: list[list[int]] | None = None) -> torch.Tensor:
+    """`adjust_logits` with row i = seqs[i] (its output and prompt tokens as the engine holds
+    them, and extra[i] after its output: tokens it is assumed to have generated, a check's
+    guesses)."""
+    if not any(s.params.adjusts_logits for s in seqs):
         return logits
     outs = [s.output_token_ids + (extra[i] if extra else []) if s.params.penalized else []
             for i, s in enumerate(seqs)]
     prompts = [s.token_ids[:s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else []
                for s in seqs]
-    return penalize(logits, [s.params for s in seqs], outs, prompts, recent)
+    return adjust_logits(logits, [s.params for s in seqs], outs, prompts, recent)
 
 
 def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -118,7 +128,7 @@ class Sampler:
         earlier steps, which the sequences do not hold yet; read by the penalties). Each
         seeded sequence draws one row of noise per call from its own generator, so its tokens
         do not depend on how the steps were grouped."""
-        logits = penalize_seqs(logits, seqs, recent)
+        logits = adjust_seqs(logits, seqs, recent)
         greedy = logits.argmax(dim=1)
         if all(s.params.greedy for s in seqs):
             return greedy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -21,6 +22,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits (a dict
+    # {id: bias} is taken too); -100 / 100 all but ban / force a token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +44,15 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise ValueError(f"repetition_penalty must be in (0, 100], got "
                              f"{self.repetition_penalty}")
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        for t, b in bias:
+            if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias takes token ids >= 0 with biases in [-100, 100], "
+                                 f"got {t}: {b}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", bias)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -53,3 +66,9 @@ class SamplingParams:
         """Whether the logits depend on the tokens so far (volundr.sampler.apply_penalties)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes the model's logits (penalties, logit_bias) before
+        choosing, greedy included (volundr.sampler.adjust_logits)."""
+        return self.penalized or bool(self.logit_bias)

@@ -16,7 +16,9 @@ position p not yet run through the model (its state holds tokens [0, p)):
      p_j(d_{j+1}) (p_j: row j after temperature, top-k, top-p, min-p); the first one dropped is
      replaced by a draw from p_j without it, and after k kept guesses a draw from p_k follows:
      every emitted token is distributed as plain sampling's (Leviathan et al. 2023, with
-     q = the one-hot greedy guess). Seeded sampled requests stay out: their tokens must not
+     q = the one-hot greedy guess). Penalties (presence, frequency, repetition) apply to row j
+     as if d_1 .. d_j had been generated, as they would have been by then, and logit_bias to
+     every row (greedy and sampled alike). Seeded sampled requests stay out: their tokens must not
      depend on the batch (the sampler's promise), and k does. Then `m` <= n + 1 of the emitted
      tokens count when a stop token or a length limit comes first;
   4. states: step 2 read the model's KDA / conv / Engram states without writing them
@@ -51,7 +53,7 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.sampler import apply_filters, penalize_seqs
+from volundr.sampler import adjust_seqs, apply_filters
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 
@@ -155,11 +157,10 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     (greedy: `greedy_kept`; sampled: `accept_sampled`, logits [n, >= 1 + its guesses, V]),
     cut to the tokens that count (`counted`). Penalties: row j of a sequence is penalized as
     if its guesses before j were generated, as plain decoding would have them then."""
-    if any(s.params.penalized for s in seqs):
+    if any(s.params.adjusts_logits for s in seqs):
         n, rows, V = logits.shape
-        logits = penalize_seqs(logits.reshape(n * rows, V), [s for s in seqs for _ in range(rows)],
-                               extra=[d[:j] for d in drafts for j in range(rows)]
-                               ).view(n, rows, V)
+        logits = adjust_seqs(logits.reshape(n * rows, V), [s for s in seqs for _ in range(rows)],
+                             extra=[d[:j] for d in drafts for j in range(rows)]).view(n, rows, V)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -239,7 +240,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     drafts = [s.mtp_drafts[:k] for s in seqs]
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
     L = k + 1
-    if limits is not None and all(s.params.greedy and not s.params.penalized for s in seqs):
+    if limits is not None and all(s.params.greedy and not s.params.adjusts_logits for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)

@@ -58,7 +58,7 @@ class ProxyConfig:
 # Request fields that the server's 400 messages start with (preprocessing, the engine).
 ERROR_PARAMS = {"messages", "tools", "tool_choice", "stop", "chat_template_kwargs", "max_tokens",
                 "seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty"}
+                "frequency_penalty", "repetition_penalty", "logit_bias"}
 
 
 def triton_error(e: Exception) -> APIError:
@@ -86,6 +86,7 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
               "presence_penalty": req.presence_penalty or None,
               "frequency_penalty": req.frequency_penalty or None,
               "repetition_penalty": req.repetition_penalty,
+              "logit_bias": json.dumps(req.logit_bias) if req.logit_bias else None,
               "ignore_eos": req.ignore_eos or None, "stream": req.stream,
               "priority": req.priority}
     if isinstance(req, ChatRequest):

@@ -54,6 +54,7 @@ class _Common(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = 1
@@ -84,8 +85,10 @@ class _Common(BaseModel):
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         extra = self.model_extra or {}
-        if extra.get("logit_bias"):  # {} and null are fine
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        for k, v in (self.logit_bias or {}).items():
+            if not k.strip().isdigit() or not -100.0 <= v <= 100.0:
+                raise APIError(400, "logit_bias maps token ids to biases in [-100, 100], got "
+                               f"{k!r}: {v!r}", param="logit_bias")
         # No constrained decoding: JSON output cannot be guaranteed, so say so instead of
         # returning free text to a client that will parse it (a named tool_choice pre-fills a
         # call, the nearest thing this server offers).

@@ -1,9 +1,10 @@
-"""Presence / frequency / repetition penalties (volundr.sampler) on the tiny Volundr (random
-weights): the penalized logits == a per-token loop; greedy decoding with penalties == an
-independent teacher-forced check (the reference model's logits after each prefix, penalized by
-that prefix); multi-step decode (later tokens made on the device), a drafter's and the MTP
-head's speculative steps (guesses counted as generated row by row) give plain decoding's
-tokens; seeded sampled requests the same alone and batched."""
+"""Presence / frequency / repetition penalties and logit_bias (volundr.sampler) on the tiny
+Volundr (random weights): the adjusted logits == a per-token loop; greedy decoding with them ==
+an independent teacher-forced check (the reference model's logits after each prefix, penalized
+by that prefix, biased); multi-step decode (later tokens made on the device), a drafter's and
+the MTP head's speculative steps (guesses counted as generated row by row) give plain
+decoding's tokens; seeded sampled requests the same alone and batched; a bias of 100 forces
+its token, one of -100 bans it."""
 
 from __future__ import annotations
 
@@ -12,25 +13,27 @@ import torch
 from reference_model import reference_logits
 from test_speculative import engine, greedy, models, prompts, run  # noqa: F401 (a fixture)
 
-from volundr.sampler import penalize
+from volundr.sampler import adjust_logits
 from volundr.sampling_params import SamplingParams
 
 
 def naive_penalties(logits: torch.Tensor, output: list[int], prompt: list[int], presence: float,
-                    frequency: float, repetition: float) -> torch.Tensor:
+                    frequency: float, repetition: float, bias: tuple = ()) -> torch.Tensor:
     """One row, token by token: the repetition penalty on every token of the prompt or the
-    output, then each output token's presence + frequency * count."""
+    output, then each output token's presence + frequency * count, then the biases."""
     out = logits.clone()
     for t in set(output) | set(prompt if repetition != 1.0 else []):
         out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
     for t in set(output):
         out[t] -= presence + frequency * output.count(t)
+    for t, b in bias:
+        out[t] += b
     return out
 
 
 def test_penalize_matches_a_loop():
     g = torch.Generator().manual_seed(7)
-    V, M = 40, 6
+    V, M = 40, 7
     logits = torch.randn(M, V, generator=g) * 3
     params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
               SamplingParams(),  # none: the row stays as it is
@@ -38,30 +41,37 @@ def test_penalize_matches_a_loop():
               SamplingParams(presence_penalty=-1.0, frequency_penalty=2.0,
                              repetition_penalty=0.8),
               SamplingParams(frequency_penalty=1.0),
-              SamplingParams(presence_penalty=2.0, repetition_penalty=3.0)]
-    outputs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 4, 0, 15, 3, 7)]
+              SamplingParams(presence_penalty=2.0, repetition_penalty=3.0,
+                             logit_bias={3: -100.0, 17: 2.5}),
+              SamplingParams(logit_bias={0: 100.0, 39: -0.5})]  # a bias alone
+    outputs = [torch.randint(0, V, (n,), generator=g).tolist()
+               for n in (9, 4, 0, 15, 3, 7, 5)]
     outputs[4] = [5, 5, 5]  # repeats count
-    prompts_ = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3, 6, 0, 8, 2)]
+    prompts_ = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3, 6, 0, 8, 2, 4)]
     for recent in (None, torch.randint(0, V, (3, M), generator=g)):
-        got = penalize(logits, params, outputs, prompts_, recent)
+        got = adjust_logits(logits, params, outputs, prompts_, recent)
         for i, p in enumerate(params):
             hist = outputs[i] + ([] if recent is None else recent[:, i].tolist())
-            want = (naive_penalties(logits[i], hist, prompts_[i], p.presence_penalty,
-                                    p.frequency_penalty, p.repetition_penalty)
-                    if p.penalized else logits[i])
+            want = naive_penalties(logits[i], hist if p.penalized else [], prompts_[i],
+                                   p.presence_penalty, p.frequency_penalty,
+                                   p.repetition_penalty, p.logit_bias)
             torch.testing.assert_close(got[i], want, msg=f"row {i}")
-    assert penalize(logits, [SamplingParams()] * M, outputs, prompts_) is logits
+    assert adjust_logits(logits, [SamplingParams()] * M, outputs, prompts_) is logits
 
 
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
                                  dict(repetition_penalty=0.0),
-                                 dict(presence_penalty=float("nan"))])
+                                 dict(presence_penalty=float("nan")),
+                                 dict(logit_bias={5: 101.0}), dict(logit_bias={-1: 1.0}),
+                                 dict(logit_bias={5: float("inf")}),
+                                 dict(logit_bias=((5, 1.0), (5, 2.0)))])
 def test_penalties_out_of_range_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
 
 
 PEN = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3)
+BIAS = {7: 4.0, 100: -3.0}
 
 
 def test_greedy_follows_the_penalized_reference_logits(models):  # noqa: F811 (the fixture)
@@ -70,14 +80,33 @@ def test_greedy_follows_the_penalized_reference_logits(models):  # noqa: F811 (t
     differ (they act)."""
     cfg, sd = models["cfg"], models["sd"]
     prompt = prompts(1, seed=4)[0][:12]
-    ids, _, _ = run(engine(models), [("p", prompt, greedy(16, ignore_eos=True, **PEN))])
+    ids, _, _ = run(engine(models), [("p", prompt, greedy(16, ignore_eos=True, **PEN,
+                                                          logit_bias=BIAS))])
     plain, _, _ = run(engine(models), [("p", prompt, greedy(16, ignore_eos=True))])
     out = ids["p"]
     assert len(out) == 16 and plain["p"] != out
     ref = reference_logits(cfg, sd, prompt + out)  # [T, V]: row t predicts token t + 1
     for t, tok in enumerate(out):
-        row = naive_penalties(ref[len(prompt) + t - 1], out[:t], prompt, *PEN.values())
+        row = naive_penalties(ref[len(prompt) + t - 1], out[:t], prompt, *PEN.values(),
+                              tuple(BIAS.items()))
         assert row.max() - row[tok] < 1e-4, (t, tok, int(row.argmax()))
+
+
+def test_logit_bias_forces_and_bans(models):  # noqa: F811
+    """+100 on a token: greedy and sampled requests emit only it; -100 on plain greedy's
+    tokens: none of them comes back; an id past the vocabulary: the request is refused."""
+    prompt = prompts(1, seed=5)[0][:10]
+    plain, _, _ = run(engine(models), [("p", prompt, greedy(8, ignore_eos=True))])
+    reqs = [("f", prompt, greedy(6, ignore_eos=True, logit_bias={321: 100.0})),
+            ("s", prompt, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True,
+                                         logit_bias={321: 100.0})),
+            ("b", prompt, greedy(8, ignore_eos=True,
+                                 logit_bias={t: -100.0 for t in set(plain["p"])}))]
+    got, _, _ = run(engine(models, "self"), reqs)
+    assert got["f"] == got["s"] == [321] * 6
+    assert len(got["b"]) == 8 and not set(got["b"]) & set(plain["p"])
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        engine(models).add_request(prompt, greedy(2, logit_bias={512: 1.0}), "x")
 
 
 def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa: F811
@@ -92,7 +121,8 @@ def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa:
 
     ps = prompts(3, seed=6)
     reqs = [("a", ps[0], greedy(20, ignore_eos=True, **PEN)),
-            ("b", ps[1], greedy(20, ignore_eos=True, frequency_penalty=-0.5)),
+            ("b", ps[1], greedy(20, ignore_eos=True, frequency_penalty=-0.5,
+                                logit_bias={9: 1.5})),
             ("c", ps[2], greedy(14, ignore_eos=True))]
     want, _, _ = run(engine(models), reqs)
     stop = want["a"][7]

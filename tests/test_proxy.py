@@ -65,10 +65,14 @@ def test_max_completion_tokens_and_seeded_sampling(client):
     assert a.choices[0].message.content == b.choices[0].message.content  # same seed
 
 
-def test_penalties_reach_the_engine(client, serving):
+def test_penalties_reach_the_engine(client, serving, tiny_dir):
     """The SDK's presence / frequency penalties and repetition_penalty (extra_body) change
     greedy text, the same way every time, streamed or not; Triton's HTTP generate takes them
-    as inputs of the ensemble too."""
+    as inputs of the ensemble too; logit_bias +100 on a token makes a completion of it alone."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
     kw = dict(model="volundr", messages=MESSAGES, max_tokens=24, temperature=0.0)
     plain = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
     pen = dict(kw, presence_penalty=1.0, frequency_penalty=2.0,
@@ -83,6 +87,11 @@ def test_penalties_reach_the_engine(client, serving):
     outs = [httpx.post(url, json={**body, **extra}, timeout=60).json()["text_output"]
             for extra in ({}, {"presence_penalty": -2.0, "frequency_penalty": -2.0})]
     assert outs[0] != outs[1]  # (negative: the tokens so far are favoured)
+    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
+    forced = tok.encode(" forge", add_special_tokens=False).ids[0]
+    c = client.completions.create(model="volundr", prompt="The", max_tokens=4,
+                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert c.choices[0].text == tok.decode([forced] * 4) and c.usage.completion_tokens == 4
 
 
 def test_async_client_streamed_and_not(aclient):

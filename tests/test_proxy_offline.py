@@ -48,7 +48,8 @@ def test_requests_checked_before_triton():
            ({"frequency_penalty": -3}, "frequency_penalty"),
            ({"repetition_penalty": 0}, "repetition_penalty"),
            ({"presence_penalty": "NaN"}, "presence_penalty"),
-           ({"logit_bias": {"42": 5}}, "logit_bias"),
+           ({"logit_bias": {"42": 500}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+           ({"logit_bias": {"-3": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
            ({"tool_choice": "required"}, "needs tools"),
            ({"response_format": {"type": "json_object"}}, "'json_object' is not supported"),
            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -72,7 +73,8 @@ def test_requests_checked_before_triton():
     bad = [({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
              "repetition_penalty": 1.0, "stream": True, "stream_options": {},
              "response_format": {"type": "text"}}, ""),
-           ({"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1.3}, "")]
+           ({"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1.3,
+             "logit_bias": {"42": -100, " 7": 3.5}}, "")]
     assert [r.status_code for r in asyncio.run(go())] == [503, 503]
 
 

@@ -116,6 +116,8 @@ def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
         (dict(text_input="x", temperature=-1.0), "temperature"),
         (dict(text_input="x", presence_penalty=2.5), "presence_penalty must be in"),
         (dict(text_input="x", repetition_penalty=0.0), "repetition_penalty must be in"),
+        (dict(text_input="x", logit_bias='{"99999999": 1}'), "logit_bias token ids"),
+        (dict(text_input="x", logit_bias="[1]"), "logit_bias must be a JSON object"),
         (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
     ]
     for fields, needle in cases:

@@ -119,6 +119,7 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         "presence_penalty": float(_opt(_scalar(get, "presence_penalty"), 0.0)),
         "frequency_penalty": float(_opt(_scalar(get, "frequency_penalty"), 0.0)),
         "repetition_penalty": float(_opt(_scalar(get, "repetition_penalty"), 1.0)),
+        "logit_bias": _logit_bias(_strings(get("logit_bias"), "logit_bias")),
     }
     if kw["top_p"] == 0.0:
         kw["top_p"] = 1.0  # TRT-LLM clients send 0 for "off"
@@ -136,6 +137,20 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         raise _bad(f"session_id must be one string of at most {MAX_SESSION_ID_CHARS} characters")
     priority = int(_opt(_scalar(get, "priority"), 0))
     return LLMRequest(prompt, params, stops, stream, session[0] if session else None, priority)
+
+
+def _logit_bias(texts: list[str]) -> dict[int, float]:
+    """OpenAI's logit_bias as JSON text, {"token id": bias}; none: {}."""
+    if not texts or not texts[0]:
+        return {}
+    try:
+        obj = json.loads(texts[0])
+        if not isinstance(obj, dict):
+            raise ValueError
+        return {int(k): float(v) for k, v in obj.items()}
+    except (ValueError, TypeError):
+        raise _bad('logit_bias must be a JSON object of token ids to numbers, e.g. '
+                   '{"42": -100}') from None
 
 
 def _opt(v, default):
