@@ -144,3 +144,17 @@ def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa:
         assert graphs or got["s"] == alone["s"], drafter
         if drafter is not None:
             assert e.stats()["spec_steps"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_penalties_and_bias_in_every_path(models):  # noqa: F811
+    """On CUDA (bf16, CUDA graphs): penalized and biased greedy requests give the same tokens
+    decoded plainly, 4 steps at a time on the device, and with the MTP head's checks."""
+    ps = prompts(2, seed=6)
+    reqs = [("a", ps[0], greedy(20, ignore_eos=True, **PEN, logit_bias=BIAS)),
+            ("b", ps[1], greedy(20, ignore_eos=True, frequency_penalty=1.0))]
+    want, _, _ = run(engine(models, device="cuda"), reqs)
+    for drafter, kw in ((None, dict(decode_steps=4)), ("mtp", dict(num_speculative_tokens=2))):
+        e = engine(models, drafter, device="cuda", **kw)
+        got, _, _ = run(e, reqs)
+        assert got == want, drafter
