@@ -158,3 +158,39 @@ def test_cuda_penalties_and_bias_in_every_path(models):  # noqa: F811
         e = engine(models, drafter, device="cuda", **kw)
         got, _, _ = run(e, reqs)
         assert got == want, drafter
+
+
+def test_triton_inputs_and_checkpoint_defaults(tmp_path):
+    """volundr_llm's inputs (llm_inputs, what model.py runs per request): the penalties and
+    logit_bias reach SamplingParams; generation_config.json's repetition_penalty is the default
+    (with do_sample false too), a request's own value wins; bad values are clear errors."""
+    import json
+
+    import numpy as np
+
+    from volundr.serve.llm_inputs import generation_defaults, parse_llm_request
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.1}))
+    d = generation_defaults(tmp_path)
+    assert d == {"temperature": 0.0, "repetition_penalty": 1.1}
+
+    def get(**fields):
+        arrays = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32)}
+        for k, v in fields.items():
+            arrays[k] = (np.array([v.encode()], dtype=object) if isinstance(v, str)
+                         else np.array([v], dtype=np.float32))
+        return arrays.get
+
+    p = parse_llm_request(get(), 64, d).params
+    assert p.repetition_penalty == pytest.approx(1.1) and p.greedy and not p.logit_bias
+    p = parse_llm_request(get(presence_penalty=0.5, frequency_penalty=-1.0,
+                              repetition_penalty=1.0, logit_bias='{"4": -100, "9": 2.5}'),
+                          64, d).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.0)
+    assert p.logit_bias == ((4, -100.0), (9, 2.5))
+    for fields, needle in ((dict(frequency_penalty=3.0), "frequency_penalty must be in"),
+                           (dict(logit_bias='{"4": 500}'), "logit_bias takes"),
+                           (dict(logit_bias="[4]"), "logit_bias must be a JSON object")):
+        with pytest.raises(ValueError, match=needle):
+            parse_llm_request(get(**fields), 64, d)

@@ -38,15 +38,18 @@ class ControlRequest:
 
 
 def generation_defaults(model_dir: str | Path) -> dict:
-    """temperature / top_p / top_k / min_p from generation_config.json, used when a request
-    does not set them."""
+    """temperature / top_p / top_k / min_p (do_sample false: temperature 0) and
+    repetition_penalty from generation_config.json, used when a request does not set them."""
     path = Path(model_dir) / "generation_config.json"
     if not path.exists():
         return {}
     cfg = json.loads(path.read_text())
-    if cfg.get("do_sample") is False:
-        return {"temperature": 0.0}
-    return {k: cfg[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in cfg}
+    keys = ("temperature", "top_p", "top_k", "min_p")
+    out = ({"temperature": 0.0} if cfg.get("do_sample") is False
+           else {k: cfg[k] for k in keys if k in cfg})
+    if "repetition_penalty" in cfg:
+        out["repetition_penalty"] = cfg["repetition_penalty"]
+    return out
 
 
 def _bad(msg: str) -> ValueError:
@@ -118,7 +121,8 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         "ignore_eos": bool(_opt(_scalar(get, "ignore_eos"), False)),
         "presence_penalty": float(_opt(_scalar(get, "presence_penalty"), 0.0)),
         "frequency_penalty": float(_opt(_scalar(get, "frequency_penalty"), 0.0)),
-        "repetition_penalty": float(_opt(_scalar(get, "repetition_penalty"), 1.0)),
+        "repetition_penalty": float(_opt(_scalar(get, "repetition_penalty"),
+                                         d.get("repetition_penalty", 1.0))),
         "logit_bias": _logit_bias(_strings(get("logit_bias"), "logit_bias")),
     }
     if kw["top_p"] == 0.0:
