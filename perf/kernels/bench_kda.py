@@ -27,7 +27,9 @@ each) there.
 --rows: a speculative check of n sequences x L rows (check_layout's rows, states read only) and
 its commit (L - 1 rows each), one KDA layer: the two kernels (conv, recurrence: "pair") against
 kda_rows (one launch) at each of ROWS_VARIANTS' launch settings, graph-replayed, the check's
-outputs compared first.
+outputs compared first; and the check with KDA's gated output norm: kda_rows then the norm
+kernel against kda_rows writing o w sigmoid(z) and the sums of squares itself (`gated`; the
+head scale then rides in o_proj's digits launch, which runs either way).
 --smoke runs it at tiny shapes under TRITON_INTERPRET=1 (re-executing itself with it set) so a
 script error shows up without a GPU.
 """
@@ -149,8 +151,25 @@ def rows_case(n: int, L: int) -> dict:
     def rows(update: bool, c=cu, **kw):
         return kda_rows(x, cw, cs, g, beta, st, ids, c, K ** -0.5, A_log, dt_bias,
                         update=update, **kw)
-    r = dict(kind="rows", n=n, L=L, err=rel(rows(False).float(), pair(False).float()))
+    from volundr.kernels.norm.engine import rms_norm_gated
+    from volundr.model.layers import GroupScaled
+
+    z = torch.randn(T, 2 * H * V, device=dev, dtype=QKV_DTYPE)[:, H * V:].view(T, H, V)
+    nw = torch.rand(V, device=dev, dtype=QKV_DTYPE) + 0.5
+
+    def normed():
+        return rms_norm_gated(rows(False), nw, z, 1e-6)
+
+    def gated():
+        return kda_rows(x, cw, cs, g, beta, st, ids, cu, K ** -0.5, A_log, dt_bias,
+                        gated=(z, nw))
+    u, ss = gated()
+    r = dict(kind="rows", n=n, L=L, err=rel(rows(False).float(), pair(False).float()),
+             gated_err=rel(GroupScaled(u.view(T, H * V), ss, 1e-6).value().float(),
+                           normed().view(T, H * V).float()))
     if not SMOKE:
+        r["rows_norm_check_us"] = graphed(normed) * 1e3
+        r["rows_gated_check_us"] = graphed(gated) * 1e3
         r["pair_check_us"] = graphed(lambda: pair(False)) * 1e3
         r["pair_commit_us"] = graphed(lambda: pair(True, cm, cm_l)) * 1e3
         for kw in ROWS_VARIANTS:
