@@ -88,7 +88,8 @@ class LLM:
         draft_model: a drafter checkpoint (Volundr-Draft, the same tokenizer): requests then
         decode speculatively, num_speculative_tokens guesses checked per step (None:
         EngineConfig's default; volundr.speculative: greedy output unchanged, sampled output
-        from the model's distribution; seeded sampled requests decode as before); "mtp": the
+        from the model's distribution; seeded sampled requests make plain seeded sampling's
+        tokens); "mtp": the
         checkpoint's MTP head guesses them (speculate_mtp; default 1 a step, more by its block
         applied to its own output). spec_min_tokens: a sequence whose first 16 speculative
         steps made fewer tokens a step decodes plainly after them (None: EngineConfig's)."""

@@ -90,6 +90,15 @@ def adjust_seqs(logits: torch.Tensor, seqs: list[Sequence],
     return adjust_logits(logits, [s.params for s in seqs], outs, prompts, recent)
 
 
+def seeded_noise(seq: Sequence, V: int, dev: torch.device) -> torch.Tensor:
+    """The next row of Exp(1) noise [V] from seq's own generator (made from its seed on first
+    use): one row per token it samples, whichever path samples it (a step, a speculative
+    check), so that its tokens depend on its seed alone."""
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=dev).manual_seed(seq.params.seed)
+    return torch.empty(V, device=dev).exponential_(generator=seq.generator)
+
+
 def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Probabilities [M, V] after temperature, top-k, top-p and min-p (rows renormalised).
@@ -142,11 +151,8 @@ class Sampler:
             torch.tensor([x.min_p for x in p], device=dev))
         noise = torch.empty_like(probs)
         for i, s in enumerate(seqs):
-            if s.params.seed is None:
-                continue
-            if s.generator is None:
-                s.generator = torch.Generator(device=dev).manual_seed(s.params.seed)
-            noise[i].exponential_(generator=s.generator)
+            if s.params.seed is not None:
+                noise[i] = seeded_noise(s, probs.shape[1], dev)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if unseeded:
             idx = torch.tensor(unseeded, device=dev)

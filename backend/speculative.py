@@ -18,8 +18,10 @@ position p not yet run through the model (its state holds tokens [0, p)):
      every emitted token is distributed as plain sampling's (Leviathan et al. 2023, with
      q = the one-hot greedy guess). Penalties (presence, frequency, repetition) apply to row j
      as if d_1 .. d_j had been generated, as they would have been by then, and logit_bias to
-     every row (greedy and sampled alike). Seeded sampled requests stay out: their tokens must not
-     depend on the batch (the sampler's promise), and k does. Then `m` <= n + 1 of the emitted
+     every row (greedy and sampled alike). Seeded sampled requests (`accept_seeded`): their
+     tokens must depend on the seed alone (the sampler's promise: not on the batch, nor on k),
+     so row j's token is drawn with the sequence's own next noise row as plain sampling would,
+     and guesses are kept while they equal it, as for greedy. Then `m` <= n + 1 of the emitted
      tokens count when a stop token or a length limit comes first;
   4. states: step 2 read the model's KDA / conv / Engram states without writing them
      (ModelRunner.check) and kept each layer's inputs; the sequence owns the first m tokens
@@ -28,8 +30,8 @@ position p not yet run through the model (its state holds tokens [0, p)):
      t_0, d_1 .. d_{k-1}: it keeps that when m >= k (at m = k + 1 the catch-up of the next step
      runs d_k), else its saved state comes back and it catches up (a check + commit).
 
-Stays out (the engine's normal steps run instead): seeded sampled requests, prompts with input
-embeddings (the drafter has its own hidden size), tensor parallelism.
+Stays out (the engine's normal steps run instead): prompts with input embeddings (the drafter
+has its own hidden size), tensor parallelism.
 
 The MTP head as the draft source (`speculate_mtp`): the model's MTP block reads the hidden
 state h_i of position i (before the final norm) and the embedding of token i + 1, and guesses
@@ -53,7 +55,7 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.sampler import adjust_seqs, apply_filters
+from volundr.sampler import adjust_seqs, apply_filters, seeded_noise
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 
@@ -150,6 +152,26 @@ def accept_sampled(logits: torch.Tensor, guesses: list[int], seq: Sequence,
     return out + [int(torch.multinomial(probs[len(guesses)], 1, generator=gen))]
 
 
+def accept_seeded(logits: torch.Tensor, guesses: list[int], seq: Sequence) -> list[int]:
+    """A seeded sampled request (module doc, step 3): logits [k + 1, V] of the model after
+    t_0, d_1 .. d_k; row j's token is argmax(p_j / E) with E the sequence's next noise row,
+    exactly as plain sampling draws its next token (Sampler.sample), the rows drawn one at a
+    time while the guesses match: the generator advances by the tokens emitted, and they are
+    plain seeded sampling's whatever the guesses."""
+    p, dev, V = seq.params, logits.device, logits.shape[1]
+    rows = len(guesses) + 1
+    probs = apply_filters(logits[:rows], torch.full((rows,), p.temperature, device=dev),
+                          torch.full((rows,), p.top_k, dtype=torch.long, device=dev),
+                          torch.full((rows,), p.top_p, device=dev),
+                          torch.full((rows,), p.min_p, device=dev))
+    out = []
+    for j in range(rows):
+        out.append(int((probs[j] / seeded_noise(seq, V, dev)).argmax()))
+        if j == len(guesses) or guesses[j] != out[-1]:
+            return out
+    return out
+
+
 def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[int]],
                   logits: torch.Tensor, counted: Callable[[Sequence, list[int]], int]
                   ) -> list[list[int]]:
@@ -166,6 +188,8 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     for i, (s, d) in enumerate(zip(seqs, drafts)):
         if s.params.greedy:
             toks = greedy_kept(greedy[i], d)
+        elif s.params.seed is not None:
+            toks = accept_seeded(logits[i, :1 + len(d)], d, s)
         else:
             toks = accept_sampled(logits[i, :1 + len(d)], d, s, target.sampler.generator)
         out.append(toks[:counted(s, toks)])
@@ -175,8 +199,8 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
               L: int, chunk: int, counted: Callable[[Sequence, list[int]], int]
               ) -> list[list[int]]:
-    """One speculative step (module doc) over `batch` (sequences decoding one token each, none
-    seeded and sampled, KV blocks grown for k + 1 positions; k + 1 <= L, the check length).
+    """One speculative step (module doc) over `batch` (sequences decoding one token each, KV
+    blocks grown for k + 1 positions; k + 1 <= L, the check length).
     counted(seq, tokens) -> how many of the emitted tokens count (the engine's stop and length
     rules). Returns each sequence's counted tokens; the model's and the drafter's states then
     hold exactly t_0 and the counted tokens but the last."""

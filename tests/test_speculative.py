@@ -2,9 +2,10 @@
 drafter, greedy requests produce exactly the tokens of plain greedy decoding — a drafter that
 rarely guesses right (draft-tiny), one that always does (the model itself, fewer engine steps)
 and one in between (the model's weights with noise) — across stop tokens, max_tokens, the
-context limit, seeded sampled requests in the batch (outside speculation), preemption, slot
-reuse, prefills sharing the step, sessions that park after speculative steps, and the engine's
-stats; unseeded sampled requests keep the model's token distribution."""
+context limit, seeded sampled requests in the batch, preemption, slot reuse, prefills sharing
+the step, sessions that park after speculative steps, and the engine's stats; seeded sampled
+requests give plain seeded sampling's tokens exactly; unseeded sampled requests keep the
+model's token distribution."""
 
 from __future__ import annotations
 
@@ -99,9 +100,9 @@ def test_greedy_output_is_unchanged(models, drafter):
 
 
 def test_limits_sampling_and_preemption(models):
-    """The context limit mid-step, a seeded sampled request beside greedy ones (outside
-    speculation: its own forward in the same steps), and a KV pool small enough to preempt:
-    every output as without a drafter (a seeded request's tokens do not depend on the batch)."""
+    """The context limit mid-step, a seeded sampled request beside greedy ones (speculating
+    too: its tokens depend on its seed alone), and a KV pool small enough to preempt: every
+    output as without a drafter."""
     ps = [p[:10] for p in prompts(4, seed=8)]
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
     for kw, reqs in (
@@ -152,6 +153,32 @@ def test_slot_reuse_late_arrivals_and_multi_step_decode(models):
     assert got == want and len(got["b"]) == 10
     st = e.stats()
     assert st["spec_steps"] > 0 and st["num_slots_free"] == 2 and st["num_blocks_free"] == 80
+
+
+@pytest.mark.parametrize("drafter", ["self", "noisy", "mtp"])
+def test_seeded_sampling_is_plain_seeded_sampling(models, drafter):
+    """Seeded sampled requests (temperature 0.05 / 1.0, top-k, top-p) speculate and give the
+    tokens plain decoding gives them, alone or beside each other and a greedy request; with
+    the model as its own drafter the cold one keeps most guesses (its tokens are mostly the
+    greedy guess), so the acceptance ran past the first row, and drops some."""
+    ps = prompts(3, seed=13)
+    reqs = [("s0", ps[0], SamplingParams(max_tokens=16, temperature=0.05, seed=21,
+                                         ignore_eos=True)),
+            ("s1", ps[1], SamplingParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9,
+                                         seed=22, ignore_eos=True)),
+            ("g", ps[2], greedy(16, ignore_eos=True))]
+    want, _, _ = run(engine(models), reqs)
+    e = engine(models, drafter, **(dict(num_speculative_tokens=2) if drafter == "mtp" else {}))
+    got, _, _ = run(e, reqs)
+    assert got == want
+    alone, _, _ = run(engine(models, drafter), reqs[1:2]) if drafter != "mtp" else (want, 0, 0)
+    assert alone["s1"] == want["s1"]
+    assert e.stats()["spec_seqs"] >= 3 * 4  # every request speculated, steps after steps
+    if drafter == "self":  # the cold one alone: guesses kept, not all of them
+        e = engine(models, drafter)
+        run(e, reqs[:1])
+        st = e.stats()
+        assert 1.5 * st["spec_seqs"] < st["spec_tokens"] < 5 * st["spec_seqs"], st
 
 
 @pytest.mark.parametrize("drafter", ["self", "noisy"])
