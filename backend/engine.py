@@ -109,6 +109,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens restored from the session's parked state
+    # with params.logprobs: one (logprob, [(id, logprob)] alternatives) per new token
+    new_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -308,8 +310,8 @@ class LLMEngine:
             return 1
         for item in batch:
             s = item.seq
-            if item.num_new_tokens != 1 or not item.samples:
-                return 1
+            if item.num_new_tokens != 1 or not item.samples or s.params.logprobs is not None:
+                return 1  # (logprobs: recorded one sampled token at a time)
             k = min(k, s.params.max_tokens - s.num_output_tokens,
                     self.ecfg.max_model_len - s.num_tokens)
         bm = self.block_manager
@@ -329,7 +331,7 @@ class LLMEngine:
 
     def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
-        decodes without input embeddings (volundr.speculative) that have
+        decodes without input embeddings or logprobs (volundr.speculative) that have
         room for 2 more tokens, if the runner's check takes that many at once; k at most
         the guesses a step (spec_k) and room for k + 1 more tokens in each; the KV blocks for
         them free (then taken). With the MTP head k = spec_k (the drafts are at hand) and the
@@ -343,7 +345,7 @@ class LLMEngine:
         for item in batch:
             s = item.seq
             if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and self._pays(s)
+                    and s.params.logprobs is None and self._pays(s)
                     and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
                 r = min(s.params.max_tokens - s.num_output_tokens - 1,
                         self.ecfg.max_model_len - s.num_tokens - 1)
@@ -402,7 +404,8 @@ class LLMEngine:
                 merged[o.request_id] = o if prev is None else RequestOutput(
                     o.request_id, prev.new_token_ids + o.new_token_ids, o.finished,
                     o.finish_reason, o.num_prompt_tokens, o.num_output_tokens,
-                    o.num_cached_tokens)
+                    o.num_cached_tokens, None if o.new_logprobs is None
+                    else (prev.new_logprobs or []) + o.new_logprobs)
             alive = [(i, it) for i, it in alive
                      if not merged[it.seq.request_id].finished and j + 1 < len(tokens[i])]
             if not alive:
@@ -422,6 +425,8 @@ class LLMEngine:
             new = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]  # (no copy of all)
             if reason == "stop":  # a stop or eos token ends the request without being emitted
                 new = new[:-1]
+            lps = (seq.logprobs[seq.num_emitted:seq.num_emitted + len(new)]
+                   if seq.params.logprobs is not None else None)
             seq.num_emitted += len(new)
             if reason is not None:
                 self._park(seq)
@@ -429,7 +434,7 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outs.append(RequestOutput(seq.request_id, new, reason is not None, reason,
                                       seq.num_prompt_tokens, seq.num_output_tokens,
-                                      seq.num_cached_tokens))
+                                      seq.num_cached_tokens, lps))
         return outs
 
     def _save_prompt_states(self, batch: list[ScheduledSeq]) -> None:

@@ -99,6 +99,26 @@ def seeded_noise(seq: Sequence, V: int, dev: torch.device) -> torch.Tensor:
     return torch.empty(V, device=dev).exponential_(generator=seq.generator)
 
 
+def record_logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Appends to seq.logprobs, for each sequence asking (params.logprobs), the chosen token's
+    log-probability under the model (log-softmax of its raw logits [M, V]: before penalties,
+    temperature and filters, as vLLM reports them) and its params.logprobs most likely
+    tokens'. ids [M]: the chosen tokens. (Decodes one token a step: the engine keeps these
+    sequences out of multi-step decode and speculation.)"""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = lp.gather(1, ids[idx].unsqueeze(1)).squeeze(1).tolist()
+    k = max(seqs[i].params.logprobs for i in rows)
+    top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_lp, top_id = top_lp.tolist(), top_id.tolist()
+    for r, i in enumerate(rows):
+        n = seqs[i].params.logprobs
+        seqs[i].logprobs.append((chosen[r], list(zip(top_id[r][:n], top_lp[r][:n]))))
+
+
 def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Probabilities [M, V] after temperature, top-k, top-p and min-p (rows renormalised).
@@ -137,7 +157,13 @@ class Sampler:
         earlier steps, which the sequences do not hold yet; read by the penalties). Each
         seeded sequence draws one row of noise per call from its own generator, so its tokens
         do not depend on how the steps were grouped."""
+        raw = logits
         logits = adjust_seqs(logits, seqs, recent)
+        ids = self._choose(logits, seqs)
+        record_logprobs(raw, ids, seqs)
+        return ids
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = logits.argmax(dim=1)
         if all(s.params.greedy for s in seqs):
             return greedy

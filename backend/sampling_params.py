@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +27,9 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits (a dict
     # {id: bias} is taken too); -100 / 100 all but ban / force a token.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities of each generated token under the model (its raw logits' log-softmax)
+    # and of the `logprobs` most likely alternatives (0-20); None: none returned.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -53,6 +58,10 @@ class SamplingParams:
         if len({t for t, _ in bias}) != len(bias):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None and not (isinstance(self.logprobs, int)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                             f"{self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

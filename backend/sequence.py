@@ -33,6 +33,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_emitted = 0  # output ids already handed to the caller
         self.generator = None  # per-request torch.Generator for seeded sampling
+        # per output token with params.logprobs: (its logprob, [(id, logprob)] alternatives)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.num_preemptions = 0
         # Precomputed input embeddings (e.g. image patches): prompt position -> [hidden] vector,
         # used instead of the token's embedding row.

@@ -87,6 +87,7 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
               "frequency_penalty": req.frequency_penalty or None,
               "repetition_penalty": req.repetition_penalty,
               "logit_bias": json.dumps(req.logit_bias) if req.logit_bias else None,
+              "top_logprobs": req.num_logprobs(),
               "ignore_eos": req.ignore_eos or None, "stream": req.stream,
               "priority": req.priority}
     if isinstance(req, ChatRequest):

@@ -83,6 +83,52 @@ def _tool_calls(calls: list[dict], indexed: bool) -> list[dict]:
     return out
 
 
+def _chat_logprobs(entries: list[dict]) -> dict:
+    """Chat's logprobs of some tokens (postprocessing gives OpenAI's content entries)."""
+    return {"content": entries, "refusal": None}
+
+
+def _completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """Legacy completions' logprobs of some tokens, the first `offset` characters into the
+    returned text."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+class _Logprobs:
+    """A choice's token logprobs (Delta.logprobs) on their way to the chunks: held until a
+    chunk goes out, then given to the first one (text held back, e.g. a possible tool call,
+    keeps them waiting; the last chunk takes the rest)."""
+
+    def __init__(self, on: bool):
+        self.on, self.pending = on, []
+
+    def add(self, d: Delta) -> None:
+        if self.on and d.logprobs:
+            self.pending += d.logprobs
+
+    def attach(self, chunks: list[dict], form) -> list[dict]:
+        """chunks with the pending logprobs on the first one that has a choice (form: the
+        entries -> the API's logprobs object)."""
+        for c in chunks:
+            if self.pending and c["choices"]:
+                c["choices"][0]["logprobs"] = form(self.pending)
+                self.pending = []
+        return chunks
+
+    @staticmethod
+    def whole(deltas: list[Delta], on: bool, form) -> dict | None:
+        """The logprobs object of a whole response, None when not asked."""
+        return form([e for d in deltas for e in d.logprobs or []]) if on else None
+
+
 def _forced_reason(args: ForcedArguments, reason: str) -> str:
     """finish_reason of a named call: "length" when max_tokens cut it before `</tool_call>`
     (as vLLM: a forced call keeps the engine's "length"), else "tool_calls", as this server
@@ -114,6 +160,7 @@ class ChatRender:
         self.text = self.prefix  # the content part of the text (without the reasoning)
         self.sent = 0  # characters of self.text already streamed
         self.holding = forced == "required"  # a <tool_call> started: hold the rest for parsing
+        self.logprobs = _Logprobs(req.num_logprobs() is not None)
 
     def _chunk(self, delta: dict, reason: str | None = None) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -139,6 +186,10 @@ class ChatRender:
         return [self._chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})]
 
     def delta(self, d: Delta) -> list[dict]:
+        self.logprobs.add(d)
+        return self.logprobs.attach(self._delta(d), _chat_logprobs)
+
+    def _delta(self, d: Delta) -> list[dict]:
         if self.args is not None:
             self.args.feed(d.text)
             return self._arguments(final=False)
@@ -191,6 +242,7 @@ class ChatRender:
             out.append(self._chunk({"tool_calls": _tool_calls(calls, indexed=True)}))
             reason = "tool_calls"
         out.append(self._chunk({}, reason))
+        out = self.logprobs.attach(out, _chat_logprobs)
         if usage and self.req.include_usage():
             out.append(self.usage_chunk(_usage(last)))
         return out
@@ -224,7 +276,9 @@ class ChatRender:
                 reason = "tool_calls"
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": self.index, "message": message, "logprobs": None,
+                "choices": [{"index": self.index, "message": message,
+                             "logprobs": _Logprobs.whole(deltas, self.logprobs.on,
+                                                         _chat_logprobs),
                              "finish_reason": reason}],
                 "usage": _usage(last)}
 
@@ -236,6 +290,9 @@ class CompletionRender:
         self.req, self.model, self.index = req, model, index
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.logprobs = _Logprobs(req.num_logprobs() is not None)
+        # text_offset: characters before each token in the returned text
+        self.offset = len(req.text()) if req.echo else 0
 
     def _chunk(self, text: str, reason: str | None = None) -> dict:
         obj = {"id": self.id, "object": "text_completion", "created": self.created,
@@ -250,7 +307,13 @@ class CompletionRender:
         return [self._chunk(self.req.text())] if self.req.echo else []
 
     def delta(self, d: Delta) -> list[dict]:
-        return [self._chunk(d.text)] if d.text else []
+        self.logprobs.add(d)
+        return self.logprobs.attach([self._chunk(d.text)] if d.text else [], self._lp)
+
+    def _lp(self, entries: list[dict]) -> dict:
+        lp = _completion_logprobs(entries, self.offset)
+        self.offset += sum(len(e["token"]) for e in entries)
+        return lp
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = self._chunk("")
@@ -259,6 +322,7 @@ class CompletionRender:
 
     def finish(self, last: Delta | None, usage: bool = True) -> list[dict]:
         out = [self._chunk("", finish_reason(last.finish_reason if last else "stop"))]
+        out = self.logprobs.attach(out, self._lp)
         if usage and self.req.include_usage():
             out.append(self.usage_chunk(_usage(last)))
         return out
@@ -270,7 +334,8 @@ class CompletionRender:
             text = self.req.text() + text
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": self.index, "text": text, "logprobs": None,
+                "choices": [{"index": self.index, "text": text,
+                             "logprobs": _Logprobs.whole(deltas, self.logprobs.on, self._lp),
                              "finish_reason": finish_reason(last.finish_reason if last
                                                             else "stop")}],
                 "usage": _usage(last)}

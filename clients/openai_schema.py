@@ -82,8 +82,7 @@ class _Common(BaseModel):
     def check(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        self.num_logprobs()
         extra = self.model_extra or {}
         for k, v in (self.logit_bias or {}).items():
             if not k.strip().isdigit() or not -100.0 <= v <= 100.0:
@@ -127,6 +126,17 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return with each token's logprob (the volundr input
+        top_logprobs), or None: no logprobs. Completions: `logprobs` 0-5."""
+        lp = self.logprobs
+        if lp is None or lp is False:
+            return None
+        if isinstance(lp, bool) or not 0 <= lp <= 5:
+            raise APIError(400, f"logprobs must be an integer from 0 to 5, got {lp!r}",
+                           param="logprobs")
+        return lp
+
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(..., min_length=1)
@@ -134,6 +144,21 @@ class ChatRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call comes back (as vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        """Chat: `logprobs` true, with `top_logprobs` (0-20) alternatives per token."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise APIError(400, "logprobs must be true or false", param="logprobs")
+        n = self.top_logprobs
+        if n is not None and not 0 <= n <= 20:
+            raise APIError(400, f"top_logprobs must be from 0 to 20, got {n}",
+                           param="top_logprobs")
+        if not self.logprobs:
+            if n:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return n or 0
 
     def tools_active(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"

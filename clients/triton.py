@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 _TYPES = {"text_input": "BYTES", "messages": "BYTES", "tools": "BYTES",
           "chat_template_kwargs": "BYTES", "stop": "BYTES", "session_id": "BYTES",
-          "logit_bias": "BYTES",
+          "logit_bias": "BYTES", "top_logprobs": "INT32",
           "abort_request_id": "BYTES", "close_session_id": "BYTES", "max_tokens": "INT32",
           "top_k": "INT32",
           "priority": "INT32", "stop_token_ids": "INT32", "input_ids": "INT32",
@@ -55,6 +55,8 @@ class Delta:
     num_output_tokens: int
     final: bool
     num_cached_tokens: int = 0  # prompt tokens resumed from the session's parked state
+    # with top_logprobs: OpenAI's logprobs "content" entries of this delta's tokens
+    logprobs: list | None = None
 
 
 def make_input(name: str, value) -> InferInput:
@@ -166,12 +168,15 @@ class VolundrTriton:
                 result, final = item
                 reason = _scalar(result, "finish_reason", b"")
                 text = _scalar(result, "text_output", b"")
+                lps = _scalar(result, "logprobs", b"")
+                lps = lps.decode("utf-8") if isinstance(lps, bytes) else str(lps)
                 finished = final
                 yield Delta(text.decode("utf-8") if isinstance(text, bytes) else str(text),
                             reason.decode() if isinstance(reason, bytes) else str(reason),
                             int(_scalar(result, "num_input_tokens")),
                             int(_scalar(result, "num_output_tokens")), final,
-                            int(_scalar(result, "num_cached_tokens")))
+                            int(_scalar(result, "num_cached_tokens")),
+                            json.loads(lps) if lps else None)
                 if final:
                     return
         finally:

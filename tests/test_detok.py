@@ -129,3 +129,31 @@ def test_incomplete_tail():
     assert _incomplete_tail(e[:1]) and _incomplete_tail(e[:2]) and not _incomplete_tail(e)
     assert not _incomplete_tail(b"ab") and not _incomplete_tail(b"\x80\x80")
     assert _incomplete_tail("😀".encode()[:3]) and not _incomplete_tail("😀".encode())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_logprobs_follow_their_ids(tok, stream):
+    """Each chunk carries the logprobs of exactly its output ids, through ids held back for a
+    character split across tokens and a stop string; logprobs_with_text gives each token's
+    exact bytes (the characters of the multibyte sample, joined back)."""
+    import json
+
+    from volundr.serve.detok import logprobs_with_text
+    from volundr.serve.triton_llm import logprobs_json
+
+    ids = tok.encode(MULTIBYTE + " stop here", add_special_tokens=False).ids
+    rs = RequestStream(Utf8Boundary(tok), ["stop"], stream, num_input_tokens=3)
+    chunks = []
+    for n, t in enumerate(ids):
+        c = rs.push([t], None, new_logprobs=[(-float(n), [(t, -float(n))])])
+        if c is not None:
+            chunks.append(c)
+            if c.finish_reason:
+                break
+    assert chunks[-1].finish_reason == "stop" and (len(chunks) > 5) == stream
+    got = [i for c in chunks for i in c.output_ids]
+    assert [lp for c in chunks for lp, _ in c.logprobs] == [-float(n) for n in range(len(got))]
+    entries = [e for c in chunks
+               for e in json.loads(logprobs_with_text(Utf8Boundary(tok), logprobs_json(c)))]
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8").startswith(MULTIBYTE)
+    assert [e["top_logprobs"][0]["bytes"] for e in entries] == [e["bytes"] for e in entries]

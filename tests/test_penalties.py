@@ -194,3 +194,40 @@ def test_triton_inputs_and_checkpoint_defaults(tmp_path):
                            (dict(logit_bias="[4]"), "logit_bias must be a JSON object")):
         with pytest.raises(ValueError, match=needle):
             parse_llm_request(get(**fields), 64, d)
+
+
+def test_logprobs_are_the_model_log_softmax(models):  # noqa: F811
+    """logprobs=k: each new token's log-probability under the model's raw logits (the
+    independent reference's log-softmax after the tokens before it, penalties not applied)
+    and the k most likely tokens', sorted; 0: the token's alone; the requests decode one
+    token a step (no speculation, no multi-step decode) and give the tokens they give
+    without logprobs."""
+    cfg, sd = models["cfg"], models["sd"]
+    prompt = prompts(1, seed=3)[0][:9]
+    e = engine(models, "self", decode_steps=4)
+    reqs = [("k", prompt, greedy(6, ignore_eos=True, logprobs=3, **PEN)),
+            ("z", prompt, SamplingParams(max_tokens=5, temperature=0.9, seed=4, logprobs=0,
+                                         ignore_eos=True))]
+    lps: dict[str, list] = {r: [] for r, *_ in reqs}
+    for rid, p, sp in reqs:
+        e.add_request(p, sp, rid)
+    ids = {r: [] for r, *_ in reqs}
+    while e.has_unfinished():
+        for o in e.step():
+            ids[o.request_id] += o.new_token_ids
+            assert o.new_logprobs is not None and len(o.new_logprobs) == len(o.new_token_ids)
+            lps[o.request_id] += o.new_logprobs
+    assert e.stats()["spec_seqs"] == 0
+    plain, _, _ = run(engine(models), [(r, p, SamplingParams(**{
+        **{f: getattr(sp, f) for f in sp.__dataclass_fields__}, "logprobs": None}))
+        for r, p, sp in reqs])
+    assert ids == plain
+    for rid, p, sp in reqs:
+        ref = torch.log_softmax(reference_logits(cfg, sd, p + ids[rid]).double(), -1)
+        for t, (tok, (lp, top)) in enumerate(zip(ids[rid], lps[rid])):
+            row = ref[len(p) + t - 1]
+            assert abs(lp - row[tok].item()) < 1e-4, (rid, t)
+            assert len(top) == sp.logprobs
+            want = row.topk(sp.logprobs)
+            assert [i for i, _ in top] == want.indices.tolist()
+            assert all(abs(a - b) < 1e-4 for (_, a), b in zip(top, want.values.tolist()))

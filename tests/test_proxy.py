@@ -94,6 +94,45 @@ def test_penalties_reach_the_engine(client, serving, tiny_dir):
     assert c.choices[0].text == tok.decode([forced] * 4) and c.usage.completion_tokens == 4
 
 
+def test_logprobs(client):
+    """Chat logprobs (+ top_logprobs), whole and streamed, and completions' logprobs: one entry
+    per generated token whose texts join to the reply, each token among its own top
+    alternatives when it is the greedy one, alternatives sorted; the streamed entries equal
+    the whole response's; bad values are 400s."""
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=12, temperature=0.0,
+              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 12 and "".join(e.token for e in content) == \
+        whole.choices[0].message.content
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= 0
+        assert abs(e.logprob - tops[0]) < 1e-4  # greedy: the most likely token
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == \
+        [(e.token, round(e.logprob, 5)) for e in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == whole.choices[0].message.content
+    c = client.completions.create(model="volundr", prompt="The forge", max_tokens=6,
+                                  temperature=0.0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 6
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for bad, param in ((dict(top_logprobs=21), "top_logprobs"),
+                       (dict(logprobs=False, top_logprobs=2), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{**kw, **bad})
+        assert e.value.param == param
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="volundr", prompt="x", logprobs=6)
+
+
 def test_async_client_streamed_and_not(aclient):
     async def go():
         kw = dict(model="volundr", messages=MESSAGES, max_tokens=8, temperature=0.0,

@@ -80,6 +80,29 @@ def test_grpc_stream_volundr_llm_direct(serving, tiny_dir):
     assert texts(ens)[0] == tok.decode(out, skip_special_tokens=False)
 
 
+def test_logprobs_outputs(serving, tiny_dir):
+    """top_logprobs: volundr_llm's `logprobs` output holds [id, logprob, alternatives] per
+    output id; the ensemble's, OpenAI's entries with each token's text; without it both are
+    empty strings."""
+    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
+    ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    base = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    direct = grpc_stream(serving.grpc_url, "volundr_llm",
+                         VolundrTriton.inputs(input_ids=ids, top_logprobs=2, **base))[0]
+    out = direct.as_numpy("output_ids").reshape(-1).tolist()
+    rows = json.loads(direct.as_numpy("logprobs").reshape(-1)[0])
+    assert [r[0] for r in rows] == out and all(len(r[2]) == 2 and r[2][0][0] == r[0]
+                                               for r in rows)  # greedy: the top one
+    ens = grpc_stream(serving.grpc_url, "volundr",
+                      VolundrTriton.inputs(text_input=PROMPT, top_logprobs=2, **base))[0]
+    entries = json.loads(ens.as_numpy("logprobs").reshape(-1)[0])
+    assert "".join(e["token"] for e in entries) == texts([ens])[0]
+    assert [e["logprob"] for e in entries] == [r[1] for r in rows]
+    none = grpc_stream(serving.grpc_url, "volundr", VolundrTriton.inputs(text_input=PROMPT,
+                                                                         **base))[0]
+    assert none.as_numpy("logprobs").reshape(-1)[0] == b""
+
+
 def test_http_generate_and_generate_stream(serving):
     body = {"text_input": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     url = f"{serving.http_url}/v2/models/volundr"
@@ -118,6 +141,7 @@ def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
         (dict(text_input="x", repetition_penalty=0.0), "repetition_penalty must be in"),
         (dict(text_input="x", logit_bias='{"99999999": 1}'), "logit_bias token ids"),
         (dict(text_input="x", logit_bias="[1]"), "logit_bias must be a JSON object"),
+        (dict(text_input="x", top_logprobs=21), "logprobs must be an integer"),
         (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
     ]
     for fields, needle in cases:

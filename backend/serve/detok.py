@@ -18,6 +18,7 @@ of the Volundr tokenizer and must reach the client; EOS never does (the engine d
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -113,3 +114,20 @@ class Utf8Boundary:
         if held >= MAX_HOLD:
             return True
         return not decode(self.tokenizer, ids[-4:]).endswith("\ufffd")
+
+
+def logprobs_with_text(boundary: Utf8Boundary, text: str) -> str:
+    """volundr_llm's logprobs JSON ([[id, logprob, [[id, logprob], ...]], ...], or "") with each
+    token's text and UTF-8 bytes, in OpenAI's form: [{"token", "logprob", "bytes",
+    "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...] ("" stays ""). A token that
+    ends inside a character shows U+FFFD in `token`; its `bytes` are exact."""
+    if not text:
+        return ""
+
+    def entry(token_id: int, lp: float) -> dict:
+        b = (boundary.token_bytes(token_id) if boundary.byte_level
+             else decode(boundary.tokenizer, [token_id]).encode("utf-8"))
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+    return json.dumps([{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in top]}
+                       for t, lp, top in json.loads(text)], ensure_ascii=False)

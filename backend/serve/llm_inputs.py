@@ -124,6 +124,7 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         "repetition_penalty": float(_opt(_scalar(get, "repetition_penalty"),
                                          d.get("repetition_penalty", 1.0))),
         "logit_bias": _logit_bias(_strings(get("logit_bias"), "logit_bias")),
+        "logprobs": _opt_int(_scalar(get, "top_logprobs")),
     }
     if kw["top_p"] == 0.0:
         kw["top_p"] = 1.0  # TRT-LLM clients send 0 for "off"
@@ -155,6 +156,10 @@ def _logit_bias(texts: list[str]) -> dict[int, float]:
     except (ValueError, TypeError):
         raise _bad('logit_bias must be a JSON object of token ids to numbers, e.g. '
                    '{"42": -100}') from None
+
+
+def _opt_int(v) -> int | None:
+    return None if v is None else int(v)
 
 
 def _opt(v, default):

@@ -9,6 +9,7 @@ stop string.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -55,6 +56,16 @@ class Chunk:
     num_input_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens resumed from the session's parked state
+    # with logprobs asked: one (logprob, [(id, logprob)] alternatives) per id of output_ids
+    logprobs: list | None = None
+
+
+def logprobs_json(chunk: Chunk) -> str:
+    """volundr_llm's `logprobs` output: JSON [[id, logprob, [[id, logprob], ...]], ...] for the
+    chunk's output_ids, or "" where the request did not ask (top_logprobs)."""
+    if chunk.logprobs is None:
+        return ""
+    return json.dumps([[t, lp, top] for t, (lp, top) in zip(chunk.output_ids, chunk.logprobs)])
 
 
 class Sink(Protocol):
@@ -71,6 +82,7 @@ class RequestStream:
         self.boundary, self.stops, self.stream = boundary, tuple(stops), stream
         self.num_input_tokens = num_input_tokens
         self.ids: list[int] = []
+        self.lps: list | None = None  # parallel to ids where the engine returns logprobs
         self.sent = 0  # ids[:sent] are emitted (or, when not streaming, accepted)
         self.starts = [0]  # clean boundaries at or before `sent`, for prefix_ids
         self.num_output_tokens = 0
@@ -82,11 +94,14 @@ class RequestStream:
         return self.ids[self.starts[0]:self.sent]
 
     def push(self, new_ids: Sequence[int], finish_reason: str | None,
-             num_output_tokens: int | None = None, num_cached_tokens: int = 0
-             ) -> Chunk | None:
-        """Add the engine's new ids; returns a chunk to send, or None. A returned chunk with a
-        finish_reason is the last one (a stop string sets reason "stop" itself)."""
+             num_output_tokens: int | None = None, num_cached_tokens: int = 0,
+             new_logprobs: list | None = None) -> Chunk | None:
+        """Add the engine's new ids (and their logprobs); returns a chunk to send, or None. A
+        returned chunk with a finish_reason is the last one (a stop string sets reason "stop"
+        itself)."""
         self.ids.extend(int(t) for t in new_ids)
+        if new_logprobs is not None:
+            self.lps = (self.lps or []) + list(new_logprobs)
         self.num_output_tokens = num_output_tokens or len(self.ids)
         self.num_cached_tokens = num_cached_tokens or self.num_cached_tokens
         pending = self.ids[self.sent:]
@@ -105,11 +120,12 @@ class RequestStream:
         if not self.stream and reason is None:
             self._advance()  # accepted; everything goes out in one response at the end
             return None
+        lps = None if self.lps is None else self.lps[self.sent:]
         if not self.stream:
-            prefix, pending = [], self.ids
+            prefix, pending, lps = [], self.ids, self.lps
         self._advance()
         return Chunk(pending, prefix, trim, reason or "", self.num_input_tokens,
-                     self.num_output_tokens, self.num_cached_tokens)
+                     self.num_output_tokens, self.num_cached_tokens, lps)
 
     def _advance(self) -> None:
         self.sent = len(self.ids)
@@ -242,7 +258,8 @@ class EngineLoop:
             if a is None:
                 continue
             chunk = a.stream.push(out.new_token_ids, out.finish_reason if out.finished else None,
-                                  out.num_output_tokens, out.num_cached_tokens)
+                                  out.num_output_tokens, out.num_cached_tokens,
+                                  out.new_logprobs)
             done = out.finished or (chunk is not None and chunk.finish_reason != "")
             if done and not out.finished:
                 self.llm.abort(out.request_id)  # a stop string: free the sequence now

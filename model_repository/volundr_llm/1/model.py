@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from volundr.serve.llm_inputs import generation_defaults, parse_control, parse_llm_request
 from volundr.serve.repo import model_parameters, resolve_model_dir
-from volundr.serve.triton_llm import Chunk, EngineLoop, llm_kwargs
+from volundr.serve.triton_llm import Chunk, EngineLoop, llm_kwargs, logprobs_json
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -43,6 +43,7 @@ class _Sender:
             pb_utils.Tensor("num_input_tokens", _one(chunk.num_input_tokens, np.int32)),
             pb_utils.Tensor("num_output_tokens", _one(chunk.num_output_tokens, np.int32)),
             pb_utils.Tensor("num_cached_tokens", _one(chunk.num_cached_tokens, np.int32)),
+            pb_utils.Tensor("logprobs", _one(logprobs_json(chunk).encode(), object)),
         ]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                          flags=FINAL if final else 0)
