@@ -141,6 +141,18 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`apply_filters` with row i's settings from params[i] (a greedy row at temperature 1:
+    its token is the argmax anyway)."""
+    dev = logits.device
+    return apply_filters(
+        logits, torch.tensor([x.temperature if x.temperature > 0 else 1.0 for x in params],
+                             device=dev),
+        torch.tensor([x.top_k for x in params], device=dev, dtype=torch.long),
+        torch.tensor([x.top_p for x in params], device=dev),
+        torch.tensor([x.min_p for x in params], device=dev))
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -169,12 +181,7 @@ class Sampler:
             return greedy
         dev = logits.device
         p = [s.params for s in seqs]
-        temp = torch.tensor([x.temperature if x.temperature > 0 else 1.0 for x in p], device=dev)
-        probs = apply_filters(
-            logits, temp,
-            torch.tensor([x.top_k for x in p], device=dev, dtype=torch.long),
-            torch.tensor([x.top_p for x in p], device=dev),
-            torch.tensor([x.min_p for x in p], device=dev))
+        probs = filtered_probs(logits, p)
         noise = torch.empty_like(probs)
         for i, s in enumerate(seqs):
             if s.params.seed is not None:

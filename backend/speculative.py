@@ -55,7 +55,7 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.sampler import adjust_seqs, apply_filters, seeded_noise
+from volundr.sampler import adjust_seqs, filtered_probs, seeded_noise
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 
@@ -132,12 +132,8 @@ def accept_sampled(logits: torch.Tensor, guesses: list[int], seq: Sequence,
                    gen: torch.Generator) -> list[int]:
     """Speculative sampling against one-hot guesses (module doc, step 3): logits [k + 1, V]
     of the model after t_0, d_1 .. d_k; returns the n kept guesses and one drawn token."""
-    p, dev = seq.params, logits.device
-    rows = logits.shape[0]
-    probs = apply_filters(logits, torch.full((rows,), p.temperature, device=dev),
-                          torch.full((rows,), p.top_k, dtype=torch.long, device=dev),
-                          torch.full((rows,), p.top_p, device=dev),
-                          torch.full((rows,), p.min_p, device=dev))
+    dev = logits.device
+    probs = filtered_probs(logits, [seq.params] * logits.shape[0])
     u = torch.rand(len(guesses), generator=gen, device=dev).tolist()
     kept = probs[torch.arange(len(guesses), device=dev),
                  torch.tensor(guesses, device=dev)].tolist()  # p_j(d_{j+1})
@@ -158,17 +154,13 @@ def accept_seeded(logits: torch.Tensor, guesses: list[int], seq: Sequence) -> li
     exactly as plain sampling draws its next token (Sampler.sample), the rows drawn one at a
     time while the guesses match: the generator advances by the tokens emitted, and they are
     plain seeded sampling's whatever the guesses."""
-    p, dev, V = seq.params, logits.device, logits.shape[1]
     rows = len(guesses) + 1
-    probs = apply_filters(logits[:rows], torch.full((rows,), p.temperature, device=dev),
-                          torch.full((rows,), p.top_k, dtype=torch.long, device=dev),
-                          torch.full((rows,), p.top_p, device=dev),
-                          torch.full((rows,), p.min_p, device=dev))
+    probs = filtered_probs(logits[:rows], [seq.params] * rows)
     out = []
     for j in range(rows):
-        out.append(int((probs[j] / seeded_noise(seq, V, dev)).argmax()))
+        out.append(int((probs[j] / seeded_noise(seq, probs.shape[1], logits.device)).argmax()))
         if j == len(guesses) or guesses[j] != out[-1]:
-            return out
+            break
     return out
 
 

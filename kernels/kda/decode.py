@@ -234,6 +234,20 @@ _COUNTERS: dict = {}
 _RETIRED: list = []  # outgrown counters: CUDA graphs captured earlier still point into them
 
 
+def gated_kwargs(gated: tuple, T: int, H: int, V: int, NV: int, device: torch.device,
+                 check: bool = True) -> tuple[dict, torch.Tensor]:
+    """The GATED launch arguments of gated = (z, norm weight) and the sums of squares they
+    fill, ss [T, H, NV] fp32 (kda_decode's and kda_rows' gated output norm); check: z must be
+    [T, H, V] with heads V apart and a unit channel stride, the weight [V]."""
+    z, nw = gated
+    if check and (z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V
+                  or nw.numel() != V):
+        raise ValueError("gated: z [T, H, V] with heads V apart, unit channel stride; "
+                         "norm weight [V]")
+    ss = torch.empty(T, H, NV, dtype=torch.float32, device=device)
+    return dict(z=z, nw=nw.contiguous(), ss=ss, s_zt=z.stride(0), GATED=True), ss
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, kept per device and grown on demand (each launch leaves them 0)."""
     key = (device.type, device.index)
@@ -314,14 +328,9 @@ def kda_decode(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.T
     num_warps = num_warps or CONFIG["num_warps"]
     gkw, ss = {}, None
     if gated is not None:
-        z, nw = gated
-        if low_rank is not None:
-            z = xs  # (not read)
-        elif z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V or nw.numel() != V:
-            raise ValueError("gated: z [T, H, V] with heads V apart, unit channel stride; "
-                             "norm weight [V]")
-        ss = torch.empty(T, H, NV, dtype=torch.float32, device=qkv.device)
-        gkw = dict(z=z, nw=nw.contiguous(), ss=ss, s_zt=z.stride(0), GATED=True)
+        # (with low_rank, z is computed in the kernel: xs stands in, never read)
+        gkw, ss = gated_kwargs(gated if low_rank is None else (xs, gated[1]), T, H, V, NV,
+                               qkv.device, check=low_rank is None)
     if T == 0:
         return o if ss is None else (o, ss)
     cnt = _counters(qkv.device, T * H)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from volundr.kernels import pdl
-from volundr.kernels.kda.decode import _counters, _load_tail, _load_w
+from volundr.kernels.kda.decode import _counters, _load_tail, _load_w, gated_kwargs
 from volundr.kernels.kda.fused_recurrent import kda_update
 from volundr.kernels.kda.utils import softplus
 
@@ -223,13 +223,9 @@ def kda_rows(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Ten
     BV = min(BV or CONFIG["BV"], triton.next_power_of_2(V))
     gkw, ss = {}, None
     if gated is not None:
-        z, nw = gated
-        if (update or z.shape != (T, H, V) or z.stride(2) != 1 or z.stride(1) != V
-                or nw.numel() != V):
-            raise ValueError("gated (a check's): z [T, H, V] with heads V apart, unit channel "
-                             "stride; norm weight [V]")
-        ss = torch.empty(T, H, triton.cdiv(V, BV), dtype=torch.float32, device=qkv.device)
-        gkw = dict(z=z, nw=nw.contiguous(), ss=ss, s_zt=z.stride(0), GATED=True)
+        if update:
+            raise ValueError("gated: a check's output norm (a commit has no output)")
+        gkw, ss = gated_kwargs(gated, T, H, V, triton.cdiv(V, BV), qkv.device)
     if n2 == 0:
         return o if ss is None else (o, ss)
     cnt = _counters(qkv.device, n2 // 2 * H)
