@@ -18,6 +18,7 @@ from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
 from volundr.session import DEFAULT_SESSION_GIB, ParkedSession, SessionStore
 from volundr.speculative import mtp_after_run, speculate, speculate_mtp
+from volundr.structured import Grammars
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
 # format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
@@ -116,11 +117,13 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, cfg: VolundrConfig, state_dict: dict[str, torch.Tensor],
                  ecfg: EngineConfig, eos_token_ids: tuple[int, ...],
-                 draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | str | None = None):
+                 draft: tuple[VolundrConfig, dict[str, torch.Tensor]] | str | None = None,
+                 grammars: Grammars | None = None):
         """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): decode
         steps then check ecfg.num_speculative_tokens of its guesses at once
         (volundr.speculative); "mtp": the checkpoint's MTP head guesses them
-        (speculate_mtp)."""
+        (speculate_mtp). grammars: compiles requests' json_schema over the model's tokenizer
+        (volundr.structured; None: such requests are refused)."""
         self.cfg, self.ecfg = cfg, ecfg
         self.mtp = draft == "mtp"
         if self.mtp:
@@ -163,6 +166,7 @@ class LLMEngine:
                                        kv_dtype=ecfg.kv_dtype, check_len=self.check_len,
                                        check_logits=False)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammars = grammars
         self.block_manager = BlockManager(ecfg.num_kv_blocks, ecfg.block_size)
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
@@ -217,6 +221,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, ids, params)
+        if params.json_schema is not None:
+            if self.grammars is None:
+                raise ValueError("json_schema: this engine has no tokenizer for grammars")
+            seq.grammar = self.grammars.matcher(params.json_schema)
         seq.priority = int(priority)
         for pos, vec in (input_embeds or {}).items():
             if not 0 <= pos < len(ids):
@@ -310,8 +318,8 @@ class LLMEngine:
             return 1
         for item in batch:
             s = item.seq
-            if item.num_new_tokens != 1 or not item.samples or s.params.logprobs is not None:
-                return 1  # (logprobs: recorded one sampled token at a time)
+            if item.num_new_tokens != 1 or not item.samples or s.params.token_by_token:
+                return 1
             k = min(k, s.params.max_tokens - s.num_output_tokens,
                     self.ecfg.max_model_len - s.num_tokens)
         bm = self.block_manager
@@ -331,7 +339,8 @@ class LLMEngine:
 
     def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
-        decodes without input embeddings or logprobs (volundr.speculative) that have
+        decodes without input embeddings that pick each token on the host (logprobs,
+        grammars: params.token_by_token; volundr.speculative) that have
         room for 2 more tokens, if the runner's check takes that many at once; k at most
         the guesses a step (spec_k) and room for k + 1 more tokens in each; the KV blocks for
         them free (then taken). With the MTP head k = spec_k (the drafts are at hand) and the
@@ -345,7 +354,7 @@ class LLMEngine:
         for item in batch:
             s = item.seq
             if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and s.params.logprobs is None and self._pays(s)
+                    and not s.params.token_by_token and self._pays(s)
                     and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
                 r = min(s.params.max_tokens - s.num_output_tokens - 1,
                         self.ecfg.max_model_len - s.num_tokens - 1)
@@ -368,10 +377,12 @@ class LLMEngine:
         return k, spec
 
     def _end_reason(self, seq: Sequence, tok: int) -> str | None:
-        """Why seq ends at `tok`, its newest token ("stop": a stop or eos token, "length"), or
-        None."""
+        """Why seq ends at `tok`, its newest token ("stop": a stop or eos token, or the last
+        token of its structured output; "length"), or None."""
         if tok in self._stop_ids(seq):
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_stopped():
+            return "stop"  # the value is complete: nothing but EOS can follow
         if (seq.num_output_tokens >= seq.params.max_tokens
                 or seq.num_tokens >= self.ecfg.max_model_len):
             return "length"
@@ -421,9 +432,11 @@ class LLMEngine:
                 continue
             tok = next(it)
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.consume_token(tok)  # (a token it refuses: only EOS allowed next)
             reason = self._end_reason(seq, tok)
             new = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]  # (no copy of all)
-            if reason == "stop":  # a stop or eos token ends the request without being emitted
+            if reason == "stop" and tok in self._stop_ids(seq):  # ends it without being emitted
                 new = new[:-1]
             lps = (seq.logprobs[seq.num_emitted:seq.num_emitted + len(new)]
                    if seq.params.logprobs is not None else None)

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from volundr.engine import EngineConfig, LLMEngine, RequestOutput, kv_cache_torch_dtype
 from volundr.sampling_params import SamplingParams
 from volundr.session import DEFAULT_SESSION_GIB
+from volundr.structured import Grammars
 
 
 def _default_kv_blocks(cfg, device: torch.device, gpu_gib: float | None, max_num_seqs: int,
@@ -127,7 +128,8 @@ class LLM:
                                else {"num_speculative_tokens": num_speculative_tokens}),
                             **({} if spec_min_tokens is None
                                else {"spec_min_tokens": spec_min_tokens}))
-        self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids, draft)
+        grammars = Grammars(self.model_dir / "tokenizer.json", cfg.vocab_size, self.eos_token_ids)
+        self.engine = LLMEngine(cfg, state_dict, ecfg, self.eos_token_ids, draft, grammars)
         del state_dict, draft
 
     def close(self) -> None:

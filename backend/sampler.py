@@ -1,9 +1,11 @@
-"""Token sampling: penalties and logit bias, greedy, temperature, top-k, top-p, min-p, seeds.
+"""Token sampling: penalties and logit bias, grammar masks, greedy, temperature, top-k, top-p,
+min-p, seeds.
 
 Sampling uses the exponential-race form of the Gumbel trick: token = argmax(p_i / E_i) with
 E_i ~ Exp(1). A seeded request draws its E from its own generator, one row per step, so its
 tokens do not depend on which other requests share the batch. Penalties and logit_bias change
-the logits first, greedy requests' too.
+the logits first, greedy requests' too; then a structured request's grammar masks every id
+that would break its JSON (volundr.structured).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from volundr.sampling_params import SamplingParams
 from volundr.sequence import Sequence
+from volundr.structured import mask_seqs
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
@@ -170,7 +173,7 @@ class Sampler:
         seeded sequence draws one row of noise per call from its own generator, so its tokens
         do not depend on how the steps were grouped."""
         raw = logits
-        logits = adjust_seqs(logits, seqs, recent)
+        logits = mask_seqs(adjust_seqs(logits, seqs, recent), seqs)
         ids = self._choose(logits, seqs)
         record_logprobs(raw, ids, seqs)
         return ids

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from volundr.structured import check_schema
+
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
@@ -30,6 +32,10 @@ class SamplingParams:
     # Log-probabilities of each generated token under the model (its raw logits' log-softmax)
     # and of the `logprobs` most likely alternatives (0-20); None: none returned.
     logprobs: int | None = None
+    # Structured output: the text must be JSON matching this JSON Schema (its JSON text; OpenAI's
+    # json_object is '{"type": "object"}'); the sampler allows only ids that keep it matching
+    # (volundr.structured). None: free text.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -62,6 +68,8 @@ class SamplingParams:
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                              f"{self.logprobs!r}")
+        if self.json_schema is not None:
+            check_schema(self.json_schema)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -81,3 +89,10 @@ class SamplingParams:
         """Whether the sampler changes the model's logits (penalties, logit_bias) before
         choosing, greedy included (volundr.sampler.adjust_logits)."""
         return self.penalized or bool(self.logit_bias)
+
+    @property
+    def token_by_token(self) -> bool:
+        """Whether each token must be chosen on the host before the next is computed (logprobs
+        recorded per sampled token, a grammar's mask after each token): no multi-step decode,
+        no speculation."""
+        return self.logprobs is not None or self.json_schema is not None

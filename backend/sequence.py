@@ -35,6 +35,8 @@ class Sequence:
         self.generator = None  # per-request torch.Generator for seeded sampling
         # per output token with params.logprobs: (its logprob, [(id, logprob)] alternatives)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        # params.json_schema's llguidance matcher (volundr.structured), fed each token appended
+        self.grammar = None
         self.num_preemptions = 0
         # Precomputed input embeddings (e.g. image patches): prompt position -> [hidden] vector,
         # used instead of the token's embedding row.

@@ -83,21 +83,11 @@ class _Common(BaseModel):
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         self.num_logprobs()
-        extra = self.model_extra or {}
         for k, v in (self.logit_bias or {}).items():
             if not k.strip().isdigit() or not -100.0 <= v <= 100.0:
                 raise APIError(400, "logit_bias maps token ids to biases in [-100, 100], got "
                                f"{k!r}: {v!r}", param="logit_bias")
-        # No constrained decoding: JSON output cannot be guaranteed, so say so instead of
-        # returning free text to a client that will parse it (a named tool_choice pre-fills a
-        # call, the nearest thing this server offers).
-        fmt = extra.get("response_format")
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        if fmt is not None and kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported (no constrained "
-                           "decoding): leave it out or send {\"type\": \"text\"}; for "
-                           "structured output pass tools with tool_choice naming one",
-                           param="response_format")
+        self.json_schema()
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
@@ -106,6 +96,30 @@ class _Common(BaseModel):
             raise APIError(400, "at most 16 stop strings are supported", param="stop")
         self.limit()
         self.session_id()
+
+    def json_schema(self) -> str | None:
+        """response_format as the engine's json_schema input (JSON text of a JSON Schema the
+        output must match, token by token: volundr.structured), or None for free text:
+        {"type": "json_object"} is any object, {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": S}} is S."""
+        fmt = (self.model_extra or {}).get("response_format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return '{"type": "object"}'
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema, a "
+                               "JSON Schema object", param="response_format")
+            return json.dumps(schema, ensure_ascii=False)
+        raise APIError(400, f"response_format must be an object of type text, json_object or "
+                       f"json_schema, got {fmt if kind is None else kind!r}",
+                       param="response_format")
 
     def session_id(self) -> str | None:
         """The `session_id` extension (extra_body in the OpenAI SDK): an agent's turns under
@@ -186,6 +200,8 @@ class ChatRequest(_Common):
         kw = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "tool_choice"}
         if (forced := self.forced_tool_choice()) is not None:
             kw["tool_choice"] = forced
+        if self.json_schema() is not None:  # the reply is the JSON from its first token
+            kw.setdefault("enable_thinking", False)
         return kw or None
 
     def check(self) -> None:
@@ -194,6 +210,10 @@ class ChatRequest(_Common):
             validate_tool_choice(self.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
+        if self.forced_tool_choice() is not None and self.json_schema() is not None:
+            raise APIError(400, "response_format json cannot be combined with a tool_choice "
+                           "that forces a call (the call is the structured output)",
+                           param="response_format")
 
 
 class CompletionRequest(_Common):

@@ -51,10 +51,16 @@ def test_requests_checked_before_triton():
            ({"logit_bias": {"42": 500}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
            ({"logit_bias": {"-3": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
            ({"tool_choice": "required"}, "needs tools"),
-           ({"response_format": {"type": "json_object"}}, "'json_object' is not supported"),
            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-            "'json_schema' is not supported"),
+            "needs json_schema.schema"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "needs json_schema.schema"),
+           ({"response_format": {"type": "grammar"}}, "got 'grammar'"),
            ({"response_format": "json"}, "response_format"),
+           ({"response_format": {"type": "json_object"}, "tool_choice": {
+               "type": "function", "function": {"name": "f"}}, "tools": [
+               {"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "cannot be combined"),
            ({"priority": "high"}, "priority"), ({"priority": 2**31}, "priority"),
            ({"session_id": ""}, "session_id"), ({"session_id": ["a"]}, "session_id"),
            ({"session_id": "s" * 257}, "1 to 256 characters")]
@@ -69,13 +75,17 @@ def test_requests_checked_before_triton():
     for r, (_, needle) in zip(asyncio.run(go()), bad):
         assert r.status_code == 400, r.text
         assert needle in r.json()["error"]["message"]
-    # the defaults pass the checks and reach (the missing) Triton: 503; penalties too
+    # the defaults pass the checks and reach (the missing) Triton: 503; penalties and JSON
+    # response formats too
     bad = [({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
              "repetition_penalty": 1.0, "stream": True, "stream_options": {},
              "response_format": {"type": "text"}}, ""),
            ({"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 1.3,
-             "logit_bias": {"42": -100, " 7": 3.5}}, "")]
-    assert [r.status_code for r in asyncio.run(go())] == [503, 503]
+             "logit_bias": {"42": -100, " 7": 3.5}}, ""),
+           ({"response_format": {"type": "json_object"}}, ""),
+           ({"response_format": {"type": "json_schema", "json_schema": {
+               "name": "x", "strict": True, "schema": {"type": "object"}}}}, "")]
+    assert [r.status_code for r in asyncio.run(go())] == [503] * 4
 
 
 def test_completions_options_checked_before_triton():
@@ -471,3 +481,23 @@ def test_priority_and_session_reach_triton():
     assert _tensors(req)["priority"] == -3 and req.session_id() == "task-7"
     plain = ChatRequest(model="volundr", messages=[{"role": "user", "content": "w?"}])
     assert _tensors(plain)["priority"] is None and plain.session_id() is None
+
+
+def test_response_format_as_the_json_schema_input():
+    """response_format -> the engine's json_schema input (json_object: any object); a JSON
+    reply renders the prompt with thinking off unless chat_template_kwargs says otherwise."""
+    base = {"model": "volundr", "messages": [{"role": "user", "content": "hi"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [(None, None, None), ({"type": "text"}, None, None),
+             ({"type": "json_object"}, {"type": "object"}, {"enable_thinking": False}),
+             ({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, schema,
+              {"enable_thinking": False})]
+    for fmt, want, kwargs in cases:
+        req = ChatRequest(**base, **({"response_format": fmt} if fmt else {}))
+        req.check()
+        got = req.json_schema()
+        assert (json.loads(got) if got else None) == want
+        assert req.template_kwargs() == kwargs
+    req = ChatRequest(**base, response_format={"type": "json_object"},
+                      chat_template_kwargs={"enable_thinking": True})
+    assert req.template_kwargs() == {"enable_thinking": True}

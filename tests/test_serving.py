@@ -103,6 +103,22 @@ def test_logprobs_outputs(serving, tiny_dir):
     assert none.as_numpy("logprobs").reshape(-1)[0] == b""
 
 
+def test_json_schema_input(serving):
+    """json_schema: the ensemble's text, streamed, is JSON matching the schema; a request
+    without it next to it stays free text."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "size"],
+              "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}}}
+    base = dict(text_input=PROMPT, max_tokens=40, temperature=0.0, stream=True)
+    out = grpc_stream(serving.grpc_url, "volundr",
+                      VolundrTriton.inputs(json_schema=json.dumps(schema), **base))
+    value = json.loads("".join(texts(out)))
+    assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool)
+    assert value["size"] in ("s", "m", "l")
+    assert out[-1].as_numpy("finish_reason").reshape(-1)[0] == b"stop"
+    free = grpc_stream(serving.grpc_url, "volundr", VolundrTriton.inputs(**base))
+    assert not "".join(texts(free)).startswith("{")
+
+
 def test_http_generate_and_generate_stream(serving):
     body = {"text_input": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     url = f"{serving.http_url}/v2/models/volundr"
@@ -142,6 +158,8 @@ def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
         (dict(text_input="x", logit_bias='{"99999999": 1}'), "logit_bias token ids"),
         (dict(text_input="x", logit_bias="[1]"), "logit_bias must be a JSON object"),
         (dict(text_input="x", top_logprobs=21), "logprobs must be an integer"),
+        (dict(text_input="x", json_schema="{oops"), "json_schema is not JSON"),
+        (dict(text_input="x", json_schema='{"type": "strin"}'), "json_schema cannot be compiled"),
         (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
     ]
     for fields, needle in cases:

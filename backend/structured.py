@@ -1,0 +1,98 @@
+"""Structured output: a request's tokens kept to a JSON schema by masking the logits.
+
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema into a
+grammar over the model's tokenizer; a sequence's `LLMatcher` says, before each token, which
+token ids can continue a text that still matches (a bitmask, one bit per id), and takes each
+token the sequence emits. The sampler sets every other id's logit to -inf after penalties and
+logit_bias, so greedy, sampled and seeded requests all choose among the allowed ids; the token
+that completes the JSON value ends the request ("stop"; an EOS the grammar allows ends it too).
+
+Such a request decodes one token a step (no multi-step decode, no speculation): its mask for a
+token depends on the tokens before it, which only the host's matcher knows.
+
+OpenAI's response_format maps here: {"type": "json_object"} is the schema {"type": "object"},
+{"type": "json_schema", "json_schema": {"schema": S}} is S.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Compact separators with one space, as json.dumps writes and models mostly do; no other
+# whitespace (flexible whitespace lets a model pad the output with blank lines until max_tokens).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def check_schema(text: str) -> str:
+    """`text` if it is JSON of a schema (an object, or true: any value); else ValueError."""
+    try:
+        schema = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"json_schema is not JSON: {e}") from None
+    if not isinstance(schema, dict) and schema is not True:
+        raise ValueError("json_schema must be a JSON object (a JSON Schema)")
+    return text
+
+
+class Grammars:
+    """Compiles requests' schemas against the model's tokenizer (read on first use: a large
+    vocabulary takes about a second)."""
+
+    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        """tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the logits' width (may
+        exceed the tokenizer's: ids past it are never allowed); eos_token_ids: the ids that
+        end a request (allowed once the value is complete)."""
+        self.path, self.vocab_size = Path(tokenizer_json), vocab_size
+        self.eos = list(eos_token_ids)
+        self._tokenizer = None
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance
+
+            self._tokenizer = llguidance.LLTokenizer(self.path.read_text("utf-8"),
+                                                     n_vocab=self.vocab_size,
+                                                     eos_token=self.eos or None)
+        return self._tokenizer
+
+    def matcher(self, schema: str):
+        """A fresh LLMatcher for the JSON schema text; ValueError naming what is wrong with a
+        schema it cannot compile."""
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(check_schema(schema),
+                                                                    defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise ValueError(f"json_schema: {e}") from None
+        m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"json_schema cannot be compiled: {m.get_error()}")
+        return m
+
+
+def bitmask_to_bool(bits: torch.Tensor, V: int) -> torch.Tensor:
+    """bits [M, ceil(V / 32)] int32, bit b of word w = id 32 w + b allowed -> [M, V] bool."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :V]
+
+
+def mask_seqs(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """logits [M, V] with -inf at every id row i's grammar (seqs[i].grammar) does not allow
+    next; rows without one as they are (logits itself when no row has one). A grammar that
+    allows nothing (an error state) leaves only its EOS ids, so the request ends."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return logits
+    V, W = logits.shape[1], (logits.shape[1] + 31) // 32
+    bits = torch.empty(len(rows), W, dtype=torch.int32)
+    for r, i in enumerate(rows):
+        m = seqs[i].grammar
+        bits[r] = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:W]
+    allowed = bitmask_to_bool(bits.to(logits.device, non_blocking=True), V)
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, idx, sub)

@@ -1,0 +1,128 @@
+"""Structured output (volundr.structured) on the tiny checkpoint (random weights, the real
+tokenizer): a request with a JSON schema produces JSON that matches it and ends with "stop",
+greedy, sampled and seeded, batched with free-text requests that it leaves as they are; every
+output is a token sequence a fresh matcher accepts; bad schemas are refused at the edge."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from volundr.llm import LLM
+from volundr.sampling_params import SamplingParams
+from volundr.structured import bitmask_to_bool
+
+SCHEMA = {"type": "object",
+          "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 3}},
+          "required": ["colour", "ok", "n", "tags"], "additionalProperties": False}
+
+
+def matches(value) -> bool:
+    """SCHEMA by hand (no jsonschema dependency)."""
+    return (isinstance(value, dict) and set(value) == {"colour", "ok", "n", "tags"}
+            and value["colour"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+            and type(value["n"]) is int and 0 <= value["n"] <= 99
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3
+            and all(t in ("a", "b") for t in value["tags"]))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    with LLM(tiny_dir, device="cpu", max_num_seqs=8, decode_steps=4) as m:
+        yield m
+
+
+def outputs(llm: LLM, reqs: list[tuple[str, SamplingParams]]) -> dict[str, tuple[list, str]]:
+    """reqs [(prompt, params)] added together -> {request id: (ids, finish reason)}."""
+    e = llm.engine
+    rids = [e.add_request(llm.tokenizer.encode(p, add_special_tokens=False).ids, sp)
+            for p, sp in reqs]
+    got: dict[str, tuple[list, str]] = {r: ([], "") for r in rids}
+    while e.has_unfinished():
+        for o in e.step():
+            got[o.request_id] = (got[o.request_id][0] + o.new_token_ids, o.finish_reason or "")
+    return {f"r{i}": got[r] for i, r in enumerate(rids)}
+
+
+def test_bitmask_to_bool_reads_bit_b_of_word_w_as_id_32w_plus_b():
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int64).to(torch.int32)
+    V = 150
+    want = torch.tensor([[bool((int(bits[r, i // 32]) >> (i % 32)) & 1) for i in range(V)]
+                         for r in range(3)])
+    assert torch.equal(bitmask_to_bool(bits, V), want)
+
+
+def test_outputs_match_the_schema(llm):
+    """Greedy, sampled and seeded requests with the schema, batched with free-text requests:
+    each schema output is JSON matching it, ended with "stop" (the grammar complete); the free
+    requests' tokens are what they are alone (the masks touch only their own rows)."""
+    schema = json.dumps(SCHEMA)
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [("The forge", SamplingParams(max_tokens=80, temperature=0.0, json_schema=schema)),
+            ("A hammer", free),
+            ("Anvil and", SamplingParams(max_tokens=80, temperature=1.0, json_schema=schema)),
+            ("Sparks", SamplingParams(max_tokens=80, temperature=1.2, top_p=0.9, seed=11,
+                                      json_schema=schema)),
+            ("Iron", SamplingParams(max_tokens=80, temperature=0.8, seed=5,
+                                    presence_penalty=1.0, logit_bias={7: 50.0},
+                                    json_schema=schema))]
+    got = outputs(llm, reqs)
+    alone = outputs(llm, [("A hammer", free)])
+    assert got["r1"] == alone["r0"]
+    for r in ("r0", "r2", "r3", "r4"):
+        ids, reason = got[r]
+        text = llm.tokenizer.decode(ids, skip_special_tokens=False)
+        assert reason == "stop", (r, text)
+        assert matches(json.loads(text)), (r, text)
+    seeded = outputs(llm, [reqs[3]])  # a seeded structured request repeats alone
+    assert seeded["r0"] == got["r3"]
+
+
+def test_json_object_tokens_are_accepted_by_a_fresh_matcher(llm):
+    """Any JSON object (OpenAI's json_object): the tokens, whether the object closed or the
+    request ran out of tokens, are all accepted by a new matcher of the same schema; a
+    closed one parses as an object. Without the mask the random model's text is not JSON."""
+    obj = '{"type": "object"}'
+    got = outputs(llm, [(p, SamplingParams(max_tokens=40, temperature=1.0, seed=s,
+                                           json_schema=obj))
+                        for s, p in enumerate(("One", "Two", "Three"))])
+    for ids, reason in got.values():
+        m = llm.engine.grammars.matcher(obj)
+        assert m.validate_tokens(ids) == len(ids)
+        if reason == "stop":
+            assert isinstance(json.loads(llm.tokenizer.decode(ids)), dict)
+    ids, _ = outputs(llm, [("One", SamplingParams(max_tokens=40, temperature=1.0, seed=0))])["r0"]
+    assert llm.engine.grammars.matcher(obj).validate_tokens(ids) < len(ids)
+
+
+def test_multi_step_and_speculation_leave_structured_requests_one_token_a_step(llm):
+    """decode_steps=4: a structured request alone takes one engine step a token (its mask
+    needs the token before), a free one fewer steps than tokens."""
+    e = llm.engine
+    steps = {}
+    for name, sp in (("free", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)),
+                     ("json", SamplingParams(max_tokens=16, temperature=0.0,
+                                             json_schema='{"type": "object"}'))):
+        e.add_request(llm.tokenizer.encode("Hello").ids, sp)
+        n, toks = 0, 0
+        while e.has_unfinished():
+            n += 1
+            toks += sum(len(o.new_token_ids) for o in e.step())
+        steps[name] = (n, toks)
+    assert steps["free"][0] < steps["free"][1]
+    assert steps["json"][0] >= steps["json"][1]
+    assert SamplingParams(json_schema="{}").token_by_token
+
+
+@pytest.mark.parametrize("schema, match", [("not json", "not JSON"), ("[1, 2]", "JSON object"),
+                                           ('{"type": "strin"}', "strin"),
+                                           ('{"$ref": "#/nowhere"}', "nowhere")])
+def test_bad_schemas_are_refused(llm, schema, match):
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request([1, 2, 3], SamplingParams(json_schema=schema))
+    assert not llm.engine.has_unfinished()
