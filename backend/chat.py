@@ -191,6 +191,48 @@ def forced_tool_prefix(tool_choice: Any) -> str:
     return TOOL_CALL_OPEN + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
 
 
+# llguidance's JSON options for a tool's arguments: the separators json.dumps (and the template's
+# tojson) writes, no other whitespace; keywords it does not implement ignored (the tools' authors
+# did not ask for a grammar: a schema keyword must not fail the request).
+TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                     "lenient": True}
+
+
+def tool_call_grammar(tools: list | None, tool_choice: Any, special_tags: bool = True
+                      ) -> str | None:
+    """The grammar (llguidance's Lark) of the reply to a tool_choice that forces a call, read
+    after its prefill (forced_tool_prefix), so the calls are well formed and their arguments
+    match the functions' parameters; None for any other tool_choice.
+
+    A named function: its arguments value, the call's closing `}` and `</tool_call>` (the
+    request then ends). "required": one call or more of any of the tools, each `{"name": N,
+    "arguments": A}</tool_call>`, the next after "\n<tool_call>" (as the template writes
+    them). Each function's parameters are the root of their own %json rule, so their $refs
+    resolve. special_tags: the tags are special tokens of the tokenizer (else matched as text)."""
+    name = forced_tool_name(tool_choice)
+    if tool_choice != "required" and name is None:
+        return None
+    fns = {f["function"]["name"]: f["function"] for f in validate_tools(tools) or []}
+
+    def tag(t: str) -> str:
+        return t if special_tags else json.dumps(t)
+
+    def arguments(fn: dict) -> str:
+        schema = fn.get("parameters") or {"type": "object"}
+        return "%json " + json.dumps({**schema, "x-guidance": TOOL_JSON_OPTIONS},
+                                     ensure_ascii=False)
+
+    if name is not None:
+        return f'start: " "? {arguments(fns[name])} "}}" {tag(TOOL_CALL_CLOSE)}'
+    rules = [f'start: call ("\\n" {tag(TOOL_CALL_OPEN)} call)*',
+             "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    for i, (n, fn) in enumerate(fns.items()):
+        head = json.dumps('{"name": ' + json.dumps(n, ensure_ascii=False) + ', "arguments": ',
+                          ensure_ascii=False)
+        rules.append(f'call_{i}: {head} {arguments(fn)} "}}" {tag(TOOL_CALL_CLOSE)}')
+    return "\n".join(rules)
+
+
 def validate_tool_choice(tool_choice: Any, tools: list | None) -> None:
     """ValueError unless tool_choice is absent, "none", "auto", "required" or names a function
     of `tools` (a forced call needs tools). The OpenAI proxy checks requests with it too,

@@ -221,10 +221,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, ids, params)
-        if params.json_schema is not None:
+        if params.structured:
             if self.grammars is None:
-                raise ValueError("json_schema: this engine has no tokenizer for grammars")
-            seq.grammar = self.grammars.matcher(params.json_schema)
+                raise ValueError("structured output: this engine has no tokenizer for grammars")
+            seq.grammar = self.grammars.matcher(params)
         seq.priority = int(priority)
         for pos, vec in (input_embeds or {}).items():
             if not 0 <= pos < len(ids):

@@ -36,6 +36,9 @@ class SamplingParams:
     # json_object is '{"type": "object"}'); the sampler allows only ids that keep it matching
     # (volundr.structured). None: free text.
     json_schema: str | None = None
+    # ... or this llguidance grammar (its Lark dialect, %json rules included, or its JSON form):
+    # vLLM's guided grammar / regex / choice, and a forced tool call (volundr.chat).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -70,6 +73,10 @@ class SamplingParams:
                              f"{self.logprobs!r}")
         if self.json_schema is not None:
             check_schema(self.json_schema)
+            if self.grammar is not None:
+                raise ValueError("give json_schema or grammar, not both")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise ValueError("grammar must be a non-empty string")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -95,4 +102,9 @@ class SamplingParams:
         """Whether each token must be chosen on the host before the next is computed (logprobs
         recorded per sampled token, a grammar's mask after each token): no multi-step decode,
         no speculation."""
-        return self.logprobs is not None or self.json_schema is not None
+        return self.logprobs is not None or self.structured
+
+    @property
+    def structured(self) -> bool:
+        """Whether a grammar keeps the output to a form (json_schema or grammar)."""
+        return self.json_schema is not None or self.grammar is not None

@@ -58,19 +58,24 @@ class Grammars:
                                                      eos_token=self.eos or None)
         return self._tokenizer
 
-    def matcher(self, schema: str):
-        """A fresh LLMatcher for the JSON schema text; ValueError naming what is wrong with a
-        schema it cannot compile."""
+    def matcher(self, params):
+        """A fresh LLMatcher for params.json_schema (JSON text of a schema) or params.grammar
+        (llguidance's Lark or JSON grammar); ValueError naming what is wrong with one it
+        cannot compile."""
         import llguidance
 
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(check_schema(schema),
-                                                                    defaults=JSON_OPTIONS)
-        except ValueError as e:
-            raise ValueError(f"json_schema: {e}") from None
+        if params.grammar is not None:
+            name, grammar = "grammar", params.grammar
+        else:
+            name = "json_schema"
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    check_schema(params.json_schema), defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise ValueError(f"json_schema: {e}") from None
         m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
         if m.is_error():
-            raise ValueError(f"json_schema cannot be compiled: {m.get_error()}")
+            raise ValueError(f"{name} cannot be compiled: {m.get_error()}")
         return m
 
 

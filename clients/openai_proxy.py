@@ -58,7 +58,7 @@ class ProxyConfig:
 # Request fields that the server's 400 messages start with (preprocessing, the engine).
 ERROR_PARAMS = {"messages", "tools", "tool_choice", "stop", "chat_template_kwargs", "max_tokens",
                 "seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema"}
+                "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "grammar"}
 
 
 def triton_error(e: Exception) -> APIError:
@@ -76,7 +76,8 @@ def triton_error(e: Exception) -> APIError:
             # "messages[2]: unknown role ...", "stop: ...": name the request field it is about
             m = re.match(r"(\w+)", text)
             param = m.group(1) if m and m.group(1) in ERROR_PARAMS else None
-            param = "response_format" if param == "json_schema" else param  # (its source)
+            param = {"json_schema": "response_format", "grammar": "structured_outputs"}.get(
+                param, param)  # (the request fields they come from)
             return APIError(400, text, code=code, param=param)
     return APIError(500, f"inference failed: {msg}", "server_error", code="internal_error")
 
@@ -88,9 +89,10 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
               "frequency_penalty": req.frequency_penalty or None,
               "repetition_penalty": req.repetition_penalty,
               "logit_bias": json.dumps(req.logit_bias) if req.logit_bias else None,
-              "top_logprobs": req.num_logprobs(), "json_schema": req.json_schema(),
+              "top_logprobs": req.num_logprobs(),
               "ignore_eos": req.ignore_eos or None, "stream": req.stream,
               "priority": req.priority}
+    fields["json_schema"], fields["grammar"] = req.structured_outputs()
     if isinstance(req, ChatRequest):
         fields["messages"] = json.dumps(req.messages, ensure_ascii=False)
         if req.tools_active():

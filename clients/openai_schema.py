@@ -35,6 +35,10 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+# vLLM's older names of structured_outputs' fields (guided_json: structured_outputs.json)
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -87,7 +91,7 @@ class _Common(BaseModel):
             if not k.strip().isdigit() or not -100.0 <= v <= 100.0:
                 raise APIError(400, "logit_bias maps token ids to biases in [-100, 100], got "
                                f"{k!r}: {v!r}", param="logit_bias")
-        self.json_schema()
+        self.structured_outputs()
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
@@ -120,6 +124,37 @@ class _Common(BaseModel):
         raise APIError(400, f"response_format must be an object of type text, json_object or "
                        f"json_schema, got {fmt if kind is None else kind!r}",
                        param="response_format")
+
+    def structured_outputs(self) -> tuple[str | None, str | None]:
+        """(json_schema, grammar) inputs of the request: response_format (json_schema), or
+        vLLM's `structured_outputs` {"json": S} / {"regex": R} / {"choice": [...]} /
+        {"grammar": Lark} (extra_body; its older guided_json / guided_regex / guided_choice /
+        guided_grammar fields too) -- one of them at most."""
+        extra = self.model_extra or {}
+        so = extra.get("structured_outputs")
+        if so is not None and not isinstance(so, dict):
+            raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+        given = {k: v for k, v in (so or {}).items() if v is not None}
+        given.update({k[7:]: extra[k] for k in GUIDED if extra.get(k) is not None})
+        schema = self.json_schema()
+        if len(given) + (schema is not None) > 1:
+            raise APIError(400, "give one of response_format (json), structured_outputs' json / "
+                           "regex / choice / grammar", param="structured_outputs")
+        if not given:
+            return schema, None
+        (kind, v), = given.items()
+        if kind == "json" and isinstance(v, (dict, str)):
+            return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False), None
+        if kind in ("regex", "grammar") and isinstance(v, str) and v:
+            from llguidance import LLMatcher
+
+            return None, v if kind == "grammar" else LLMatcher.grammar_from_regex(v)
+        if kind == "choice" and isinstance(v, list) and v and all(isinstance(c, str) for c in v):
+            return None, "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in v)
+        raise APIError(400, f"structured_outputs {kind!r}: expected " + {
+            "json": "a JSON Schema", "regex": "a regular expression", "grammar": "a Lark grammar",
+            "choice": "a list of strings"}.get(kind, "one of json, regex, choice, grammar"),
+            param="structured_outputs")
 
     def session_id(self) -> str | None:
         """The `session_id` extension (extra_body in the OpenAI SDK): an agent's turns under
@@ -200,7 +235,7 @@ class ChatRequest(_Common):
         kw = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "tool_choice"}
         if (forced := self.forced_tool_choice()) is not None:
             kw["tool_choice"] = forced
-        if self.json_schema() is not None:  # the reply is the JSON from its first token
+        if any(self.structured_outputs()):  # the reply is the form from its first token
             kw.setdefault("enable_thinking", False)
         return kw or None
 
@@ -210,9 +245,9 @@ class ChatRequest(_Common):
             validate_tool_choice(self.tool_choice, self.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
-        if self.forced_tool_choice() is not None and self.json_schema() is not None:
-            raise APIError(400, "response_format json cannot be combined with a tool_choice "
-                           "that forces a call (the call is the structured output)",
+        if self.forced_tool_choice() is not None and any(self.structured_outputs()):
+            raise APIError(400, "response_format / structured_outputs cannot be combined with "
+                           "a tool_choice that forces a call (the call has its own grammar)",
                            param="response_format")
 
 

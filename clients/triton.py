@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 _TYPES = {"text_input": "BYTES", "messages": "BYTES", "tools": "BYTES",
           "chat_template_kwargs": "BYTES", "stop": "BYTES", "session_id": "BYTES",
           "logit_bias": "BYTES", "top_logprobs": "INT32", "json_schema": "BYTES",
+          "grammar": "BYTES",
           "abort_request_id": "BYTES", "close_session_id": "BYTES", "max_tokens": "INT32",
           "top_k": "INT32",
           "priority": "INT32", "stop_token_ids": "INT32", "input_ids": "INT32",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Literal
 
@@ -359,6 +360,78 @@ def test_named_tool_choice_is_enforced(client):
     [streamed] = final.choices[0].message.tool_calls
     assert (streamed.function.name, streamed.function.arguments) == (
         "get_weather", call.function.arguments)
+
+
+CLOSED_TOOLS = [{"type": "function", "function": {
+    "name": "set_forge", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["heat", "bellows"],
+        "properties": {"heat": {"enum": ["low", "high"]}, "bellows": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "quench", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["oil"],
+        "properties": {"oil": {"type": "boolean"}}}}}]
+
+
+def test_forced_tool_calls_follow_the_tools_schemas(client):
+    """A forced call's reply is held to a grammar (volundr.chat.tool_call_grammar): a named
+    function's arguments are JSON matching its parameters and the reply ends with the call
+    (finish_reason tool_calls), whole and streamed, greedy and sampled; "required" gives
+    well-formed calls of the tools, each with matching arguments."""
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=60, tools=CLOSED_TOOLS)
+    named = {"type": "function", "function": {"name": "set_forge"}}
+    for t in (0.0, 1.0):
+        r = client.chat.completions.create(**kw, temperature=t, tool_choice=named)
+        assert r.choices[0].finish_reason == "tool_calls"
+        [call] = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert args["heat"] in ("low", "high") and isinstance(args["bellows"], bool)
+        assert set(args) == {"heat", "bellows"}
+    chunks = list(client.chat.completions.create(**kw, temperature=0.0, tool_choice=named,
+                                                 stream=True))
+    streamed = "".join(tc.function.arguments or "" for c in chunks if c.choices
+                       for tc in c.choices[0].delta.tool_calls or [])
+    whole = client.chat.completions.create(**kw, temperature=0.0, tool_choice=named)
+    assert streamed == whole.choices[0].message.tool_calls[0].function.arguments
+    for seed in range(3):
+        r = client.chat.completions.create(**{**kw, "max_tokens": 120}, temperature=1.0,
+                                           seed=seed, tool_choice="required")
+        calls = r.choices[0].message.tool_calls
+        assert calls, r.choices[0].message.content
+        for c in calls:
+            args = json.loads(c.function.arguments)
+            if c.function.name == "set_forge":
+                assert set(args) == {"heat", "bellows"} and args["heat"] in ("low", "high")
+            else:
+                assert c.function.name == "quench" and isinstance(args["oil"], bool)
+
+
+def test_structured_outputs_extension(client):
+    """vLLM's structured_outputs (extra_body): choice, regex, json and a Lark grammar; its
+    older guided_choice; two at once or a bad grammar is a 400."""
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=30, temperature=1.0)
+    for seed in range(3):
+        r = client.chat.completions.create(**kw, seed=seed, extra_body={
+            "structured_outputs": {"choice": ["anvil", "hammer", "tongs"]}})
+        assert r.choices[0].message.content in ("anvil", "hammer", "tongs")
+        assert r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(**kw, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.chat.completions.create(**kw, extra_body={
+        "structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", r.choices[0].message.content)
+    r = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"json": {
+        "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"],
+        "additionalProperties": False}}})
+    assert isinstance(json.loads(r.choices[0].message.content)["x"], bool)
+    c = client.completions.create(model="volundr", prompt="Forge:", max_tokens=20,
+                                  extra_body={"structured_outputs": {
+                                      "grammar": 'start: "iron" | "steel" " " ("hot" | "cold")'}})
+    assert c.choices[0].text in ("iron", "steel hot", "steel cold")
+    for bad in ({"structured_outputs": {"choice": ["a"], "regex": "b"}},
+                {"structured_outputs": {"grammar": "start: ("}},
+                {"structured_outputs": {"choice": []}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, extra_body=bad)
+        assert e.value.param == "structured_outputs", e.value
 
 
 def test_required_tool_choice(client):

@@ -501,3 +501,34 @@ def test_response_format_as_the_json_schema_input():
     req = ChatRequest(**base, response_format={"type": "json_object"},
                       chat_template_kwargs={"enable_thinking": True})
     assert req.template_kwargs() == {"enable_thinking": True}
+
+
+def test_structured_outputs_as_inputs():
+    """vLLM's structured_outputs / guided_* -> (json_schema, grammar): json as schema text,
+    choice as a Lark alternation of JSON strings, regex as llguidance's grammar of it, grammar
+    as given; at most one of them (response_format included); wrong shapes are 400s."""
+    base = {"model": "volundr", "messages": [{"role": "user", "content": "hi"}]}
+
+    def inputs(**extra):
+        req = ChatRequest(**base, **extra)
+        req.check()
+        return req.structured_outputs()
+
+    schema = {"type": "object"}
+    assert inputs(structured_outputs={"json": schema}) == (json.dumps(schema), None)
+    assert inputs(guided_json='{"type": "integer"}') == ('{"type": "integer"}', None)
+    assert inputs(structured_outputs={"choice": ['a "b"', "c"]}) == \
+        (None, 'start: "a \\"b\\"" | "c"')
+    assert inputs(guided_grammar='start: "x"') == (None, 'start: "x"')
+    _, regex = inputs(structured_outputs={"regex": "[0-9]+"})
+    assert "[0-9]+" in regex
+    assert inputs(structured_outputs={"json": None, "choice": ["a"]})[1] == 'start: "a"'
+    assert ChatRequest(**base, guided_choice=["a"]).template_kwargs() == \
+        {"enable_thinking": False}
+    for extra in ({"structured_outputs": {"choice": ["a"], "regex": "b"}},
+                  {"guided_choice": ["a"], "response_format": {"type": "json_object"}},
+                  {"structured_outputs": {"choice": [1]}}, {"structured_outputs": "x"},
+                  {"structured_outputs": {"yaml": "x"}}, {"guided_regex": ""}):
+        with pytest.raises(Exception) as e:
+            inputs(**extra)
+        assert getattr(e.value, "status", None) == 400, extra

@@ -92,12 +92,13 @@ def test_json_object_tokens_are_accepted_by_a_fresh_matcher(llm):
                                            json_schema=obj))
                         for s, p in enumerate(("One", "Two", "Three"))])
     for ids, reason in got.values():
-        m = llm.engine.grammars.matcher(obj)
+        m = llm.engine.grammars.matcher(SamplingParams(json_schema=obj))
         assert m.validate_tokens(ids) == len(ids)
         if reason == "stop":
             assert isinstance(json.loads(llm.tokenizer.decode(ids)), dict)
     ids, _ = outputs(llm, [("One", SamplingParams(max_tokens=40, temperature=1.0, seed=0))])["r0"]
-    assert llm.engine.grammars.matcher(obj).validate_tokens(ids) < len(ids)
+    assert llm.engine.grammars.matcher(SamplingParams(json_schema=obj)).validate_tokens(ids) \
+        < len(ids)
 
 
 def test_multi_step_and_speculation_leave_structured_requests_one_token_a_step(llm):
@@ -126,3 +127,63 @@ def test_bad_schemas_are_refused(llm, schema, match):
     with pytest.raises(ValueError, match=match):
         llm.engine.add_request([1, 2, 3], SamplingParams(json_schema=schema))
     assert not llm.engine.has_unfinished()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+    "additionalProperties": False}}},
+    {"type": "function", "function": {"name": 'add "q"', "parameters": {
+        "$defs": {"N": {"type": "integer"}}, "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/N"}}, "required": ["a"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now"}}]  # no parameters: any object
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_tool_call_grammar(llm, special):
+    """volundr.chat.tool_call_grammar over the tiny tokenizer (its tags are special tokens; as
+    text with special=False): after a named choice's prefill it takes the arguments matching
+    that function, `}` and the closing tag, then nothing; after "required"'s `<tool_call>` one
+    or more calls of any tool joined by "\\n<tool_call>", names and arguments as the template
+    writes them ($refs of a function's own schema resolve); it refuses other names and
+    arguments that break the schema."""
+    from volundr.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_grammar
+
+    tok = llm.tokenizer
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids if text else []
+
+    def tag(t: str) -> list[int]:  # its special token, or its text in plain tokens
+        return [tok.token_to_id(t)] if special else enc(t[:1]) + enc(t[1:])
+
+    def ids(text: str) -> list[int]:
+        out = []
+        for i, part in enumerate(text.split(TOOL_CALL_CLOSE)):
+            out += tag(TOOL_CALL_CLOSE) if i else []
+            for j, p in enumerate(part.split(TOOL_CALL_OPEN)):
+                out += (tag(TOOL_CALL_OPEN) if j else []) + enc(p)
+        return out
+
+    def accepts(choice, text: str) -> tuple[bool, bool]:
+        """(all of text's tokens taken, the grammar complete after them)"""
+        m = llm.engine.grammars.matcher(SamplingParams(
+            grammar=tool_call_grammar(TOOLS, choice, special)))
+        t = ids(text)
+        return m.validate_tokens(t) == len(t), m.consume_tokens(t) and m.is_accepting()
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert accepts(named, ' {"city": "Oslo"}}</tool_call>') == (True, True)
+    assert accepts(named, '{"city": "Oslo"}}</tool_call>') == (True, True)
+    assert accepts(named, ' {"town": "Oslo"}}</tool_call>')[0] is False
+    assert accepts(named, ' {"city": 3}}</tool_call>')[0] is False
+    assert accepts(named, ' {"city": "Oslo"}}</tool_call>\n')[0] is False
+    one = '{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    two = '{"name": "add \\"q\\"", "arguments": {"a": 3}}</tool_call>'
+    assert accepts("required", one) == (True, True)
+    assert accepts("required", one + "\n<tool_call>" + two) == (True, True)
+    assert accepts("required", '{"name": "now", "arguments": {"z": [1]}}</tool_call>') == \
+        (True, True)
+    assert accepts("required", '{"name": "add \\"q\\"", "arguments": {"a": "3"}}')[0] is False
+    assert accepts("required", '{"name": "other", "arguments": {}}</tool_call>')[0] is False
+    assert tool_call_grammar(TOOLS, "auto") is None and tool_call_grammar(TOOLS, None) is None

@@ -126,6 +126,7 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         "logit_bias": _logit_bias(_strings(get("logit_bias"), "logit_bias")),
         "logprobs": _opt_int(_scalar(get, "top_logprobs")),
         "json_schema": next(iter(_strings(get("json_schema"), "json_schema")), None) or None,
+        "grammar": next(iter(_strings(get("grammar"), "grammar")), None) or None,
     }
     if kw["top_p"] == 0.0:
         kw["top_p"] = 1.0  # TRT-LLM clients send 0 for "off"

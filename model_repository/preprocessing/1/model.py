@@ -9,7 +9,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
-from volundr.chat import load_chat_template, render_chat
+from volundr.chat import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    load_chat_template,
+    render_chat,
+    tool_call_grammar,
+)
 from volundr.serve.repo import model_parameters, resolve_model_dir
 
 
@@ -48,8 +54,14 @@ class TritonPythonModel:
             self.template = load_chat_template(model_dir)
         except ValueError:
             self.template = None  # raw prompts still work; messages get a clear error
+        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                   if t.special}
+        self.special_tags = {TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= special
 
-    def _prompt(self, request) -> str:
+    def _prompt(self, request) -> tuple[str, str]:
+        """(the prompt, the grammar its reply must follow: the request's or a forced call's,
+        "" for none)."""
+        grammar = _text(request, "grammar") or ""
         text = _text(request, "text_input")
         messages = _json(request, "messages", list)
         if (text is None) == (messages is None):
@@ -57,7 +69,7 @@ class TritonPythonModel:
         if text is not None:
             if not text:
                 raise ValueError("invalid request: text_input is empty")
-            return text
+            return text, grammar
         if self.template is None:
             raise ValueError("invalid request: this checkpoint has no chat template; "
                              "send text_input")
@@ -69,8 +81,13 @@ class TritonPythonModel:
         # it here and reads the reply as continuing it).
         tool_choice = kwargs.pop("tool_choice", None)
         try:
-            return render_chat(self.template, messages, tools=tools or None,
-                               tool_choice=tool_choice, **kwargs)
+            prompt = render_chat(self.template, messages, tools=tools or None,
+                                 tool_choice=tool_choice, **kwargs)
+            forced = tool_call_grammar(tools, tool_choice, self.special_tags)
+            if forced and grammar:
+                raise ValueError("grammar cannot be combined with a tool_choice that forces a "
+                                 "call (the call has its grammar)")
+            return prompt, grammar or forced or ""
         except ValueError as e:
             raise ValueError(f"invalid request: {e}") from None
         except TypeError as e:  # e.g. chat_template_kwargs naming messages or tools
@@ -80,12 +97,15 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                ids = self.tokenizer.encode(self._prompt(request), add_special_tokens=False).ids
+                prompt, grammar = self._prompt(request)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
             except ValueError as e:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
                 continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)),
                 pb_utils.Tensor("input_length", np.asarray([[len(ids)]], dtype=np.int32)),
+                pb_utils.Tensor("grammar", np.asarray([[grammar.encode("utf-8")]],
+                                                      dtype=np.object_)),
             ]))
         return responses
