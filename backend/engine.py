@@ -18,7 +18,7 @@ from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
 from volundr.session import DEFAULT_SESSION_GIB, ParkedSession, SessionStore
 from volundr.speculative import mtp_after_run, speculate, speculate_mtp
-from volundr.structured import Grammars
+from volundr.structured import Grammars, completes_at
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
 # format the attention kernels store and read (volundr.kernels.attention.cache.FP8), unscaled.
@@ -339,8 +339,7 @@ class LLMEngine:
 
     def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
-        decodes without input embeddings that pick each token on the host (logprobs,
-        grammars: params.token_by_token; volundr.speculative) that have
+        decodes without input embeddings or logprobs (volundr.speculative) that have
         room for 2 more tokens, if the runner's check takes that many at once; k at most
         the guesses a step (spec_k) and room for k + 1 more tokens in each; the KV blocks for
         them free (then taken). With the MTP head k = spec_k (the drafts are at hand) and the
@@ -354,7 +353,7 @@ class LLMEngine:
         for item in batch:
             s = item.seq
             if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and not s.params.token_by_token and self._pays(s)
+                    and s.params.logprobs is None and self._pays(s)
                     and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
                 r = min(s.params.max_tokens - s.num_output_tokens - 1,
                         self.ecfg.max_model_len - s.num_tokens - 1)
@@ -397,8 +396,9 @@ class LLMEngine:
     def _counted(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of `tokens`, appended to seq one by one, it takes (`_end_reason`)."""
         cap, stops = self._limits(seq)
-        return next((j + 1 for j, t in enumerate(tokens) if t in stops or j + 1 >= cap),
-                    len(tokens))
+        n = next((j + 1 for j, t in enumerate(tokens) if t in stops or j + 1 >= cap),
+                 len(tokens))
+        return n if seq.grammar is None else completes_at(seq.grammar, tokens[:n])
 
     def _postprocess_steps(self, batch: list[ScheduledSeq],
                            tokens: list[list[int]]) -> list[RequestOutput]:

@@ -100,8 +100,8 @@ class SamplingParams:
     @property
     def token_by_token(self) -> bool:
         """Whether each token must be chosen on the host before the next is computed (logprobs
-        recorded per sampled token, a grammar's mask after each token): no multi-step decode,
-        no speculation."""
+        recorded per sampled token, a grammar's mask after each token): no multi-step decode
+        (speculative checks mask their rows on the host: grammars take part)."""
         return self.logprobs is not None or self.structured
 
     @property

@@ -18,7 +18,8 @@ position p not yet run through the model (its state holds tokens [0, p)):
      every emitted token is distributed as plain sampling's (Leviathan et al. 2023, with
      q = the one-hot greedy guess). Penalties (presence, frequency, repetition) apply to row j
      as if d_1 .. d_j had been generated, as they would have been by then, and logit_bias to
-     every row (greedy and sampled alike). Seeded sampled requests (`accept_seeded`): their
+     every row (greedy and sampled alike), and a structured request's grammar masks row j as
+after d_1 .. d_j. Seeded sampled requests (`accept_seeded`): their
      tokens must depend on the seed alone (the sampler's promise: not on the batch, nor on k),
      so row j's token is drawn with the sequence's own next noise row as plain sampling would,
      and guesses are kept while they equal it, as for greedy. Then `m` <= n + 1 of the emitted
@@ -28,7 +29,8 @@ position p not yet run through the model (its state holds tokens [0, p)):
      (t_0, a_0 .. a_{m-2}), and ModelRunner.commit runs the recurrences over just those. Their
      attention KV is step 2's; KV past them is simply overwritten later. The drafter took in
      t_0, d_1 .. d_{k-1}: it keeps that when m >= k (at m = k + 1 the catch-up of the next step
-     runs d_k), else its saved state comes back and it catches up (a check + commit).
+     runs d_k), else (or where a grammar's forced tokens replaced its guesses) its saved state
+     comes back and it catches up (a check + commit).
 
 Stays out (the engine's normal steps run instead): prompts with input embeddings (the drafter
 has its own hidden size), tensor parallelism.
@@ -58,6 +60,7 @@ from volundr.model_runner import ModelRunner
 from volundr.sampler import adjust_seqs, filtered_probs, seeded_noise
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
+from volundr.structured import forced_drafts, mask_rows
 
 
 @contextmanager
@@ -170,11 +173,13 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     """Step 3 of the module doc for each sequence: its kept guesses and the token after them
     (greedy: `greedy_kept`; sampled: `accept_sampled`, logits [n, >= 1 + its guesses, V]),
     cut to the tokens that count (`counted`). Penalties: row j of a sequence is penalized as
-    if its guesses before j were generated, as plain decoding would have them then."""
+    if its guesses before j were generated, as plain decoding would have them then; a grammar
+    masks it as after them (volundr.structured.mask_rows)."""
     if any(s.params.adjusts_logits for s in seqs):
         n, rows, V = logits.shape
         logits = adjust_seqs(logits.reshape(n * rows, V), [s for s in seqs for _ in range(rows)],
                              extra=[d[:j] for d in drafts for j in range(rows)]).view(n, rows, V)
+    logits = mask_rows(logits, seqs, drafts)  # (grammars: row j after guesses d_1 .. d_j)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -204,7 +209,8 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     saved_draft = drafter.save_states(slots)
     with _drafter_view(seqs):
         guesses = drafter.run_decode_steps(batch, k, greedy=True)  # [k][N]
-    drafts = [[row[i] for row in guesses] for i in range(len(seqs))]
+    own = [[row[i] for row in guesses] for i in range(len(seqs))]
+    drafts = forced_drafts(seqs, own, k)  # (grammars: the tokens they force first)
     # 2. the model's distributions after t_0, d_1 .. d_k (states read only)
     with _appended(seqs, drafts):
         logits = target.check([ScheduledSeq(s, k + 1) for s in seqs], L)[:, :k + 1]
@@ -212,7 +218,7 @@ def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSe
     out = _counted_kept(target, seqs, drafts, logits, counted)
     # 4. states: the model's take in t_0 and the counted tokens but the last
     target.commit([len(toks) for toks in out])
-    back = [i for i, toks in enumerate(out) if len(toks) < k]
+    back = [i for i, toks in enumerate(out) if len(toks) < k or drafts[i] != own[i]]
     if back:
         drafter.load_states([slots[i] for i in back], saved_draft, back)
     for i, s in enumerate(seqs):
@@ -253,10 +259,11 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     `counted`'s rules as data: with it, all-greedy batches take the graphs' one replay
     (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
     seqs = [it.seq for it in batch]
-    drafts = [s.mtp_drafts[:k] for s in seqs]
+    drafts = forced_drafts(seqs, [s.mtp_drafts[:k] for s in seqs], k)
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
     L = k + 1
-    if limits is not None and all(s.params.greedy and not s.params.adjusts_logits for s in seqs):
+    if limits is not None and all(s.params.greedy and not s.params.adjusts_logits
+                                  and s.grammar is None for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)

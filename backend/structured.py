@@ -7,8 +7,11 @@ token the sequence emits. The sampler sets every other id's logit to -inf after 
 logit_bias, so greedy, sampled and seeded requests all choose among the allowed ids; the token
 that completes the JSON value ends the request ("stop"; an EOS the grammar allows ends it too).
 
-Such a request decodes one token a step (no multi-step decode, no speculation): its mask for a
-token depends on the tokens before it, which only the host's matcher knows.
+Such a request stays out of multi-step decode (its mask for a token depends on the tokens
+before it, which only the host's matcher knows). It speculates: a check's row j is masked by
+the matcher after the guesses before it (`mask_rows`, then rolled back), so the kept tokens are
+those plain decoding under the grammar would make; the tokens the grammar forces (a schema's
+keys and punctuation) are the step's first guesses (`forced_drafts`), kept for certain.
 
 OpenAI's response_format maps here: {"type": "json_object"} is the schema {"type": "object"},
 {"type": "json_schema", "json_schema": {"schema": S}} is S.
@@ -77,6 +80,71 @@ class Grammars:
         if m.is_error():
             raise ValueError(f"{name} cannot be compiled: {m.get_error()}")
         return m
+
+
+def _bits(m, W: int) -> torch.Tensor:
+    """The matcher's next-token bitmask as [W] int32 (host)."""
+    return torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:W]
+
+
+def row_bits(m, guesses: list[int], rows: int, W: int) -> torch.Tensor:
+    """[rows, W] int32: row j's bitmask after the matcher took guesses d_1 .. d_j (a speculative
+    check's rows; volundr.speculative). Past the first guess the grammar refuses, the rows
+    repeat that row's mask (the guess is rejected there anyway). The matcher ends as it began."""
+    taken = m.validate_tokens(guesses[:rows - 1])  # (changes nothing)
+    out = torch.empty(rows, W, dtype=torch.int32)
+    for j in range(rows):
+        if j <= taken:
+            out[j] = _bits(m, W)
+            if j < taken:
+                m.consume_token(guesses[j])
+        else:
+            out[j] = out[taken]
+    if taken:
+        m.rollback(taken)
+    return out
+
+
+def completes_at(m, tokens: list[int]) -> int:
+    """How many of `tokens` (appended one by one) the request keeps: up to the one that
+    completes the matcher's value, or all. The matcher ends as it began."""
+    n = 0
+    for t in tokens[:m.validate_tokens(tokens)]:
+        m.consume_token(t)
+        n += 1
+        if m.is_stopped():
+            m.rollback(n)
+            return n
+    if n:
+        m.rollback(n)
+    return len(tokens)
+
+
+def forced_drafts(seqs, drafts: list[list[int]], k: int) -> list[list[int]]:
+    """A speculative step's guesses with each structured sequence's first ones replaced by the
+    tokens its grammar forces next (llguidance's fast-forward tokens: the only ones its mask
+    will allow, so the check keeps them whatever the model says), the drafter's after them;
+    at most k forced. Others' drafts as they are."""
+    out = []
+    for s, d in zip(seqs, drafts):
+        ff = s.grammar.compute_ff_tokens()[:k] if s.grammar is not None else []
+        out.append(ff + d[len(ff):] if ff else d)
+    return out
+
+
+def mask_rows(logits: torch.Tensor, seqs, guesses: list[list[int]]) -> torch.Tensor:
+    """A speculative check's logits [n, rows, V] with row j of sequence i masked by its
+    grammar after guesses[i][:j] (`row_bits`); sequences without a grammar as they are."""
+    n, rows, V = logits.shape
+    idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not idx:
+        return logits
+    W = (V + 31) // 32
+    bits = torch.stack([row_bits(seqs[i].grammar, guesses[i], rows, W) for i in idx])
+    allowed = bitmask_to_bool(bits.view(-1, W).to(logits.device, non_blocking=True), V)
+    at = torch.tensor(idx, device=logits.device)
+    sub = logits[at].masked_fill(~allowed.view(len(idx), rows, V), float("-inf"))
+    return logits.index_copy(0, at, sub)
 
 
 def bitmask_to_bool(bits: torch.Tensor, V: int) -> torch.Tensor:

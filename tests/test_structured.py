@@ -101,7 +101,7 @@ def test_json_object_tokens_are_accepted_by_a_fresh_matcher(llm):
         < len(ids)
 
 
-def test_multi_step_and_speculation_leave_structured_requests_one_token_a_step(llm):
+def test_multi_step_leaves_structured_requests_one_token_a_step(llm):
     """decode_steps=4: a structured request alone takes one engine step a token (its mask
     needs the token before), a free one fewer steps than tokens."""
     e = llm.engine
@@ -118,6 +118,49 @@ def test_multi_step_and_speculation_leave_structured_requests_one_token_a_step(l
     assert steps["free"][0] < steps["free"][1]
     assert steps["json"][0] >= steps["json"][1]
     assert SamplingParams(json_schema="{}").token_by_token
+
+
+@pytest.mark.parametrize("drafter", ["draft-tiny", "mtp"])
+def test_speculation_keeps_the_grammar_tokens(llm, tiny_dir, drafter):
+    """With a drafter (the tiny one) or the MTP head (k = 2) a structured request's tokens are
+    those of plain decoding under the grammar (greedy; seeded sampled), ended the same way,
+    batched with a free request; the speculative steps ran and kept guesses (fewer engine
+    steps than tokens)."""
+    from volundr.serve.launcher import default_cache_dir, tiny_checkpoint
+
+    schema = json.dumps(SCHEMA)
+    reqs = [("The forge", SamplingParams(max_tokens=60, temperature=0.0, json_schema=schema)),
+            ("Sparks", SamplingParams(max_tokens=60, temperature=1.1, seed=4,
+                                      json_schema=schema)),
+            ("Iron", SamplingParams(max_tokens=60, temperature=0.0, grammar=(
+                'start: "[" num (", " num)* "]"\nnum: /[1-9][0-9]?/'))),
+            ("A hammer", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    plain = outputs(llm, reqs)
+    draft = "mtp" if drafter == "mtp" else tiny_checkpoint(default_cache_dir(), drafter)
+    with LLM(tiny_dir, device="cpu", max_num_seqs=8, draft_model=draft,
+             num_speculative_tokens=2 if drafter == "mtp" else 3, spec_min_tokens=0.0) as spec:
+        got = outputs(spec, reqs)
+        assert spec.engine.spec_tokens > spec.engine.spec_seqs  # guesses were kept
+    assert got == plain
+    for r in ("r0", "r1"):
+        assert got[r][1] == "stop" and matches(json.loads(llm.tokenizer.decode(got[r][0])))
+
+
+def test_a_step_counts_tokens_up_to_the_completing_one(llm):
+    """A speculative step's tokens count up to the one that completes the value (what the
+    request keeps: its state must not take in more), and the matcher is left as it was."""
+    from volundr.sequence import Sequence
+
+    e, tok = llm.engine, llm.tokenizer
+    params = SamplingParams(max_tokens=50, temperature=0.0,
+                            json_schema='{"enum": ["red", "green"]}')
+    seq = Sequence("x", [1, 2, 3], params)
+    seq.grammar = e.grammars.matcher(params)
+    ids = tok.encode('"green"', add_special_tokens=False).ids
+    eos = min(e.eos_token_ids)
+    assert e._counted(seq, ids + [eos]) == len(ids)
+    assert e._counted(seq, ids[:-1]) == len(ids) - 1
+    assert seq.grammar.validate_tokens(ids) == len(ids)  # (untouched: from the start)
 
 
 @pytest.mark.parametrize("schema, match", [("not json", "not JSON"), ("[1, 2]", "JSON object"),
