@@ -230,3 +230,23 @@ def test_tool_call_grammar(llm, special):
     assert accepts("required", '{"name": "add \\"q\\"", "arguments": {"a": "3"}}')[0] is False
     assert accepts("required", '{"name": "other", "arguments": {}}</tool_call>')[0] is False
     assert tool_call_grammar(TOOLS, "auto") is None and tool_call_grammar(TOOLS, None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_structured_with_graphs_and_mtp(tiny_dir):
+    """On CUDA (bf16, graphs, the MTP head at k = 2): structured requests batched with a free
+    one give JSON matching the schema, and the same tokens as without speculation."""
+    schema = json.dumps(SCHEMA)
+    reqs = [("The forge", SamplingParams(max_tokens=60, temperature=0.0, json_schema=schema)),
+            ("Sparks", SamplingParams(max_tokens=60, temperature=0.9, seed=2,
+                                      json_schema=schema)),
+            ("A hammer", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    got = {}
+    for draft in (None, "mtp"):
+        with LLM(tiny_dir, device="cuda", max_num_seqs=4, draft_model=draft,
+                 num_speculative_tokens=2 if draft else None, spec_min_tokens=0.0) as m:
+            got[draft] = outputs(m, reqs)
+            for r in ("r0", "r1"):
+                ids, reason = got[draft][r]
+                assert reason == "stop" and matches(json.loads(m.tokenizer.decode(ids)))
+    assert got[None] == got["mtp"]
