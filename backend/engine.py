@@ -339,7 +339,7 @@ class LLMEngine:
 
     def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
         """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
-        decodes without input embeddings or logprobs (volundr.speculative) that have
+        decodes without input embeddings (volundr.speculative) that have
         room for 2 more tokens, if the runner's check takes that many at once; k at most
         the guesses a step (spec_k) and room for k + 1 more tokens in each; the KV blocks for
         them free (then taken). With the MTP head k = spec_k (the drafts are at hand) and the
@@ -353,7 +353,7 @@ class LLMEngine:
         for item in batch:
             s = item.seq
             if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and s.params.logprobs is None and self._pays(s)
+                    and self._pays(s)
                     and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
                 r = min(s.params.max_tokens - s.num_output_tokens - 1,
                         self.ecfg.max_model_len - s.num_tokens - 1)

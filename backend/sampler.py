@@ -106,8 +106,9 @@ def record_logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence
     """Appends to seq.logprobs, for each sequence asking (params.logprobs), the chosen token's
     log-probability under the model (log-softmax of its raw logits [M, V]: before penalties,
     temperature and filters, as vLLM reports them) and its params.logprobs most likely
-    tokens'. ids [M]: the chosen tokens. (Decodes one token a step: the engine keeps these
-    sequences out of multi-step decode and speculation.)"""
+    tokens'. ids [M]: the chosen tokens. A sequence may have several rows, in order (a
+    speculative check's kept tokens). (The engine keeps these sequences out of multi-step
+    decode.)"""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return

@@ -101,7 +101,7 @@ class SamplingParams:
     def token_by_token(self) -> bool:
         """Whether each token must be chosen on the host before the next is computed (logprobs
         recorded per sampled token, a grammar's mask after each token): no multi-step decode
-        (speculative checks mask their rows on the host: grammars take part)."""
+        (speculative checks take part: they record logprobs and mask rows on the host)."""
         return self.logprobs is not None or self.structured
 
     @property

@@ -57,7 +57,7 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.sampler import adjust_seqs, filtered_probs, seeded_noise
+from volundr.sampler import adjust_seqs, filtered_probs, record_logprobs, seeded_noise
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 from volundr.structured import forced_drafts, mask_rows
@@ -174,7 +174,9 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     (greedy: `greedy_kept`; sampled: `accept_sampled`, logits [n, >= 1 + its guesses, V]),
     cut to the tokens that count (`counted`). Penalties: row j of a sequence is penalized as
     if its guesses before j were generated, as plain decoding would have them then; a grammar
-    masks it as after them (volundr.structured.mask_rows)."""
+    masks it as after them (volundr.structured.mask_rows). Logprobs (params.logprobs) are
+    recorded for the tokens that count, from their rows' raw logits."""
+    raw = logits
     if any(s.params.adjusts_logits for s in seqs):
         n, rows, V = logits.shape
         logits = adjust_seqs(logits.reshape(n * rows, V), [s for s in seqs for _ in range(rows)],
@@ -190,6 +192,14 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
         else:
             toks = accept_sampled(logits[i, :1 + len(d)], d, s, target.sampler.generator)
         out.append(toks[:counted(s, toks)])
+    # logprobs of the tokens that count, each from its row's raw logits (as Sampler.sample)
+    lp_rows = [(i, j) for i, s in enumerate(seqs) if s.params.logprobs is not None
+            for j in range(len(out[i]))]
+    if lp_rows:
+        seq_at, row_at = (torch.tensor(x, device=logits.device) for x in zip(*lp_rows))
+        record_logprobs(raw[seq_at, row_at],
+                        torch.tensor([out[a][b] for a, b in lp_rows], device=logits.device),
+                        [seqs[a] for a, _ in lp_rows])
     return out
 
 
@@ -263,7 +273,8 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
     L = k + 1
     if limits is not None and all(s.params.greedy and not s.params.adjusts_logits
-                                  and s.grammar is None for s in seqs):
+                                  and s.grammar is None and s.params.logprobs is None
+                                  for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)
