@@ -20,6 +20,7 @@ OpenAI's response_format maps here: {"type": "json_object"} is the schema {"type
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -41,30 +42,46 @@ def check_schema(text: str) -> str:
 
 
 class Grammars:
-    """Compiles requests' schemas against the model's tokenizer (read on first use: a large
-    vocabulary takes about a second)."""
+    """Compiles requests' schemas and grammars against the model's tokenizer, which llguidance
+    reads once (about a second for a large vocabulary: started on a thread when the engine is
+    made, so the first structured request does not wait for it)."""
 
-    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 warm: bool = True):
         """tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the logits' width (may
         exceed the tokenizer's: ids past it are never allowed); eos_token_ids: the ids that
         end a request (allowed once the value is complete)."""
         self.path, self.vocab_size = Path(tokenizer_json), vocab_size
         self.eos = list(eos_token_ids)
         self._tokenizer = None
+        self._lock = threading.Lock()
+        if warm:
+            threading.Thread(target=self._warm, daemon=True, name="grammars-warm").start()
+
+    def _warm(self) -> None:
+        try:
+            self.tokenizer()
+        except Exception:  # (no llguidance, a tokenizer it cannot read: the request says so)
+            pass
 
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance
-
-            self._tokenizer = llguidance.LLTokenizer(self.path.read_text("utf-8"),
-                                                     n_vocab=self.vocab_size,
-                                                     eos_token=self.eos or None)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    import llguidance
+                except ImportError:
+                    raise ValueError("structured output needs the llguidance package "
+                                     "(pip install llguidance)") from None
+                self._tokenizer = llguidance.LLTokenizer(self.path.read_text("utf-8"),
+                                                         n_vocab=self.vocab_size,
+                                                         eos_token=self.eos or None)
+            return self._tokenizer
 
     def matcher(self, params):
         """A fresh LLMatcher for params.json_schema (JSON text of a schema) or params.grammar
         (llguidance's Lark or JSON grammar); ValueError naming what is wrong with one it
         cannot compile."""
+        tokenizer = self.tokenizer()  # (first: a missing llguidance is a ValueError)
         import llguidance
 
         if params.grammar is not None:
@@ -76,7 +93,7 @@ class Grammars:
                     check_schema(params.json_schema), defaults=JSON_OPTIONS)
             except ValueError as e:
                 raise ValueError(f"json_schema: {e}") from None
-        m = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"{name} cannot be compiled: {m.get_error()}")
         return m

@@ -163,6 +163,15 @@ def test_a_step_counts_tokens_up_to_the_completing_one(llm):
     assert seq.grammar.validate_tokens(ids) == len(ids)  # (untouched: from the start)
 
 
+def test_without_llguidance_a_structured_request_is_a_clear_error(tiny_dir, monkeypatch):
+    from volundr.structured import Grammars
+
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # (import fails)
+    g = Grammars(tiny_dir / "tokenizer.json", 4096, (0,), warm=False)
+    with pytest.raises(ValueError, match="needs the llguidance package"):
+        g.matcher(SamplingParams(json_schema="{}"))
+
+
 @pytest.mark.parametrize("schema, match", [("not json", "not JSON"), ("[1, 2]", "JSON object"),
                                            ('{"type": "strin"}', "strin"),
                                            ('{"$ref": "#/nowhere"}', "nowhere")])
