@@ -18,6 +18,7 @@ import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -198,24 +199,31 @@ TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_
                      "lenient": True}
 
 
-def tool_call_grammar(tools: list | None, tool_choice: Any, special_tags: bool = True
-                      ) -> str | None:
-    """The grammar (llguidance's Lark) of the reply to a tool_choice that forces a call, read
-    after its prefill (forced_tool_prefix), so the calls are well formed and their arguments
-    match the functions' parameters; None for any other tool_choice.
+def tool_call_grammar(tools: list | None, tool_choice: Any,
+                      specials: Collection[str] | None = None) -> str | None:
+    """The grammar (llguidance's Lark) of a reply with tool calls, so the calls are well formed
+    and their arguments match the functions' parameters (each function's parameters the root of
+    their own %json rule, so their $refs resolve); None where no grammar applies.
 
-    A named function: its arguments value, the call's closing `}` and `</tool_call>` (the
-    request then ends). "required": one call or more of any of the tools, each `{"name": N,
-    "arguments": A}</tool_call>`, the next after "\n<tool_call>" (as the template writes
-    them). Each function's parameters are the root of their own %json rule, so their $refs
-    resolve. special_tags: the tags are special tokens of the tokenizer (else matched as text)."""
+    A named tool_choice (read after its prefill, forced_tool_prefix): its arguments value, the
+    call's closing `}` and `</tool_call>` (the request then ends). "required" (after
+    `<tool_call>`): one call or more of any of the tools, each `{"name": N, "arguments":
+    A}</tool_call>`, the next after "\n<tool_call>" (as the template writes them). "auto" (or
+    none given) when a function is `strict` (OpenAI's strict function calling): any text,
+    after an optional `<think>...</think>`, then optionally such calls, each after
+    `<tool_call>` (only where `<tool_call>` is a special token: text cannot spell a call).
+    specials: the tokenizer's special tokens (None: the tags are all special); a tag that is
+    not one is matched as text."""
     name = forced_tool_name(tool_choice)
-    if tool_choice != "required" and name is None:
-        return None
     fns = {f["function"]["name"]: f["function"] for f in validate_tools(tools) or []}
+    # (free text could spell a call out if the tags were text: strict needs them special)
+    strict = (tool_choice in (None, "auto") and any(f.get("strict") is True for f in fns.values())
+              and (specials is None or TOOL_CALL_OPEN in specials))
+    if tool_choice != "required" and name is None and not strict:
+        return None
 
     def tag(t: str) -> str:
-        return t if special_tags else json.dumps(t)
+        return t if specials is None or t in specials else json.dumps(t)
 
     def arguments(fn: dict) -> str:
         schema = fn.get("parameters") or {"type": "object"}
@@ -224,8 +232,12 @@ def tool_call_grammar(tools: list | None, tool_choice: Any, special_tags: bool =
 
     if name is not None:
         return f'start: " "? {arguments(fns[name])} "}}" {tag(TOOL_CALL_CLOSE)}'
-    rules = [f'start: call ("\\n" {tag(TOOL_CALL_OPEN)} call)*',
+    calls = f'call ("\\n" {tag(TOOL_CALL_OPEN)} call)*'
+    rules = [f"start: {calls}" if not strict else
+             f"start: think? text ({tag(TOOL_CALL_OPEN)} {calls})?",
              "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    if strict:
+        rules += [f"think: {tag('<think>')} /(?s:.*)/ {tag('</think>')}", "text: /(?s:.*)/"]
     for i, (n, fn) in enumerate(fns.items()):
         head = json.dumps('{"name": ' + json.dumps(n, ensure_ascii=False) + ', "arguments": ',
                           ensure_ascii=False)

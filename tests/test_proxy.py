@@ -404,6 +404,30 @@ def test_forced_tool_calls_follow_the_tools_schemas(client):
                 assert c.function.name == "quench" and isinstance(args["oil"], bool)
 
 
+def test_strict_tools_under_auto(client, tiny_dir):
+    """OpenAI's strict function calling: with a `strict` tool under tool_choice auto the reply
+    is free text or calls whose arguments match their function's parameters (the grammar
+    starts them at the special <tool_call> token; a logit_bias on it makes the random tiny
+    model call at once)."""
+    from tokenizers import Tokenizer
+
+    open_id = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).token_to_id("<tool_call>")
+    tools = [{**t, "function": {**t["function"], "strict": True}} for t in CLOSED_TOOLS]
+    r = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=80,
+                                       temperature=0.0, tools=tools,
+                                       logit_bias={str(open_id): 100})
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason in ("tool_calls", "length")
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert c.function.name in ("set_forge", "quench")
+        assert set(args) == ({"heat", "bellows"} if c.function.name == "set_forge" else {"oil"})
+    free = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=8,
+                                          temperature=0.0, tools=tools,
+                                          logit_bias={str(open_id): -100})
+    assert free.choices[0].message.content and not free.choices[0].message.tool_calls
+
+
 def test_structured_outputs_extension(client):
     """vLLM's structured_outputs (extra_body): choice, regex, json and a Lark grammar; its
     older guided_choice; two at once or a bad grammar is a 400."""

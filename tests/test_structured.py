@@ -220,7 +220,7 @@ def test_tool_call_grammar(llm, special):
     def accepts(choice, text: str) -> tuple[bool, bool]:
         """(all of text's tokens taken, the grammar complete after them)"""
         m = llm.engine.grammars.matcher(SamplingParams(
-            grammar=tool_call_grammar(TOOLS, choice, special)))
+            grammar=tool_call_grammar(TOOLS, choice, None if special else ())))
         t = ids(text)
         return m.validate_tokens(t) == len(t), m.consume_tokens(t) and m.is_accepting()
 
@@ -239,6 +239,28 @@ def test_tool_call_grammar(llm, special):
     assert accepts("required", '{"name": "add \\"q\\"", "arguments": {"a": "3"}}')[0] is False
     assert accepts("required", '{"name": "other", "arguments": {}}</tool_call>')[0] is False
     assert tool_call_grammar(TOOLS, "auto") is None and tool_call_grammar(TOOLS, None) is None
+    # strict tools under "auto": any text (after an optional think block), then calls
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+
+    if not special:  # (text could spell a call out: no grammar)
+        assert tool_call_grammar(strict, "auto", ()) is None
+        return
+
+    def auto(text: str) -> tuple[bool, bool]:
+        m = llm.engine.grammars.matcher(SamplingParams(
+            grammar=tool_call_grammar(strict, "auto")))
+        t = ids(text)
+        return m.validate_tokens(t) == len(t), m.consume_tokens(t) and m.is_accepting()
+
+    assert auto("Just words, no call.") == (True, True)
+    assert auto("Let me look.\n<tool_call>" + one) == (True, True)
+    assert auto("<tool_call>" + one + "\n<tool_call>" + two) == (True, True)
+    assert auto('Hm.<tool_call>{"name": "get_weather", "arguments": {"city": 7}}')[0] is False
+    assert auto("<tool_call>" + one + " and more words")[0] is False
+    think = [tok.token_to_id("<think>")] + enc("plan") + [tok.token_to_id("</think>")]
+    m = llm.engine.grammars.matcher(SamplingParams(grammar=tool_call_grammar(strict, None)))
+    t = think + enc("\n\nAnswer.") + ids("<tool_call>" + one)
+    assert m.validate_tokens(t) == len(t)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -54,9 +54,9 @@ class TritonPythonModel:
             self.template = load_chat_template(model_dir)
         except ValueError:
             self.template = None  # raw prompts still work; messages get a clear error
-        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()
-                   if t.special}
-        self.special_tags = {TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= special
+        # (a grammar names these as tokens; other tags it matches as text)
+        self.specials = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                         if t.special}
 
     def _prompt(self, request) -> tuple[str, str]:
         """(the prompt, the grammar its reply must follow: the request's or a forced call's,
@@ -83,11 +83,11 @@ class TritonPythonModel:
         try:
             prompt = render_chat(self.template, messages, tools=tools or None,
                                  tool_choice=tool_choice, **kwargs)
-            forced = tool_call_grammar(tools, tool_choice, self.special_tags)
-            if forced and grammar:
+            calls = tool_call_grammar(tools, tool_choice, self.specials)
+            if calls and grammar:
                 raise ValueError("grammar cannot be combined with a tool_choice that forces a "
-                                 "call (the call has its grammar)")
-            return prompt, grammar or forced or ""
+                                 "call or strict tools (the calls have their grammar)")
+            return prompt, grammar or calls or ""
         except ValueError as e:
             raise ValueError(f"invalid request: {e}") from None
         except TypeError as e:  # e.g. chat_template_kwargs naming messages or tools
