@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Collection
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")

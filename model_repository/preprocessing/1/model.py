@@ -10,8 +10,6 @@ import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
 from volundr.chat import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
     load_chat_template,
     render_chat,
     tool_call_grammar,
