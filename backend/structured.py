@@ -1,7 +1,8 @@
-"""Structured output: a request's tokens kept to a JSON schema by masking the logits.
+"""Structured output: a request's tokens kept to a JSON schema or a grammar by masking the logits.
 
-llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema into a
-grammar over the model's tokenizer; a sequence's `LLMatcher` says, before each token, which
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema (or takes
+the grammar: its Lark dialect; volundr.chat.tool_call_grammar's, vLLM's regex / choice) over the
+model's tokenizer; a sequence's `LLMatcher` says, before each token, which
 token ids can continue a text that still matches (a bitmask, one bit per id), and takes each
 token the sequence emits. The sampler sets every other id's logit to -inf after penalties and
 logit_bias, so greedy, sampled and seeded requests all choose among the allowed ids; the token
@@ -174,15 +175,6 @@ def mask_seqs(logits: torch.Tensor, seqs) -> torch.Tensor:
     """logits [M, V] with -inf at every id row i's grammar (seqs[i].grammar) does not allow
     next; rows without one as they are (logits itself when no row has one). A grammar that
     allows nothing (an error state) leaves only its EOS ids, so the request ends."""
-    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    if not rows:
+    if all(s.grammar is None for s in seqs):
         return logits
-    V, W = logits.shape[1], (logits.shape[1] + 31) // 32
-    bits = torch.empty(len(rows), W, dtype=torch.int32)
-    for r, i in enumerate(rows):
-        m = seqs[i].grammar
-        bits[r] = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:W]
-    allowed = bitmask_to_bool(bits.to(logits.device, non_blocking=True), V)
-    idx = torch.tensor(rows, device=logits.device)
-    sub = logits[idx].masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, idx, sub)
+    return mask_rows(logits.unsqueeze(1), seqs, [[] for _ in seqs]).squeeze(1)
