@@ -203,7 +203,10 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         """`make_render(i)`: the render of choice i (state of its own, one per choice)."""
         check_model(req.model)
         fields = _tensors(req)
-        renders = share_id([make_render(i) for i in range(req.n)])
+        count = req.candidates() if isinstance(req, CompletionRequest) else req.n
+        if count > req.n:  # best_of: ranked by each candidate's tokens' logprobs
+            fields["top_logprobs"] = fields["top_logprobs"] or 0
+        renders = share_id([make_render(i) for i in range(count)])
         rid = f"{renders[0].id_prefix}-{uuid.uuid4().hex}"
         session = req.session_id()
         if session is None and cfg.auto_session and isinstance(req, ChatRequest):
@@ -211,9 +214,9 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         fan = FanOut([triton().stream(  # n requests at once: the engine batches them
             VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i),
                                     "session_id": session if i == 0 else None}),
-            request_id=f"{rid}-{i}") for i in range(req.n)])
+            request_id=f"{rid}-{i}") for i in range(count)])
         if not req.stream:
-            return JSONResponse(await _collect(request, fan, renders))
+            return JSONResponse(await _collect(request, fan, renders, req.n))
         try:  # the first response decides the HTTP status (e.g. 400 prompt too long)
             first = await fan.first()
         except (TritonRequestError, TritonUnavailable) as e:
@@ -237,9 +240,17 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     return app
 
 
-async def _collect(request: Request, fan: FanOut, renders: list) -> dict:
-    """All choices' deltas of a non-streamed request; aborts them if the client goes away
-    meanwhile (or one fails: FanOut)."""
+def best_of(per_choice: list[list[Delta]], n: int) -> list[int]:
+    """The n candidates with the highest cumulative logprob (vLLM's best_of), best first (ties
+    in candidate order)."""
+    score = [sum(e["logprob"] for d in ds for e in d.logprobs or []) for ds in per_choice]
+    return sorted(range(len(per_choice)), key=lambda i: -score[i])[:n]
+
+
+async def _collect(request: Request, fan: FanOut, renders: list, n: int) -> dict:
+    """The response of a non-streamed request: all choices' deltas (aborted if the client goes
+    away meanwhile, or one fails: FanOut), rendered; with more candidates than n (best_of)
+    the n best as choices 0..n-1, every candidate's tokens counted in usage."""
     task = asyncio.ensure_future(fan.collect())
     try:
         while True:
@@ -259,7 +270,12 @@ async def _collect(request: Request, fan: FanOut, renders: list) -> dict:
         per_choice = task.result()
     except (TritonRequestError, TritonUnavailable) as e:
         raise triton_error(e) from None
-    return merge_full([r.full(ds) for r, ds in zip(renders, per_choice)])
+    fulls = [r.full(ds) for r, ds in zip(renders, per_choice)]
+    out = merge_full(fulls)
+    if len(fulls) > n:
+        out["choices"] = [{**fulls[c]["choices"][0], "index": j}
+                          for j, c in enumerate(best_of(per_choice, n))]
+    return out
 
 
 async def _sse(fan: FanOut, first: list[Item], renders: list) -> AsyncIterator[str]:

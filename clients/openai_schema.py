@@ -254,6 +254,8 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str]
     echo: bool | None = False
+    # candidates generated, of which the n with the highest cumulative logprob come back
+    best_of: int | None = None
 
     def check(self) -> None:
         super().check()
@@ -261,9 +263,17 @@ class CompletionRequest(_Common):
         if extra.get("suffix"):  # "" and null are fine
             raise APIError(400, "suffix (text after the completion) is not supported",
                            param="suffix")
-        if extra.get("best_of") not in (None, 1):
-            raise APIError(400, "best_of is not supported; n returns n samples",
-                           param="best_of")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_N:
+                raise APIError(400, f"best_of must be from n ({self.n}) to {MAX_N}, got "
+                               f"{self.best_of}", param="best_of")
+            if self.stream and self.best_of > self.n:
+                raise APIError(400, "best_of > n cannot be streamed (the best are known at "
+                               "the end)", param="best_of")
+
+    def candidates(self) -> int:
+        """Sequences to generate: best_of, else n."""
+        return self.best_of or self.n
 
     def text(self) -> str:
         if isinstance(self.prompt, list):

@@ -181,6 +181,24 @@ def test_response_format(client):
     assert client.chat.completions.create(**kw).choices[0].message.content is not None
 
 
+def test_completions_best_of(client):
+    """best_of: best_of candidates (seeds seed .. seed + best_of - 1, as n choices get), the n
+    with the highest cumulative logprob returned, best first, with or without logprobs
+    asked; usage counts every candidate's tokens."""
+    kw = dict(model="volundr", prompt="The forge", max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    all3 = client.completions.create(**kw, n=3, logprobs=0)
+    score = {c.index: sum(c.logprobs.token_logprobs) for c in all3.choices}
+    ranked = sorted(score, key=lambda i: -score[i])
+    text = {c.index: c.text for c in all3.choices}
+    best = client.completions.create(**kw, best_of=3)
+    assert [c.text for c in best.choices] == [text[ranked[0]]]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 18
+    two = client.completions.create(**kw, best_of=3, n=2, logprobs=1)
+    assert [c.text for c in two.choices] == [text[i] for i in ranked[:2]]
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[1].logprobs.tokens
+
+
 def test_async_client_streamed_and_not(aclient):
     async def go():
         kw = dict(model="volundr", messages=MESSAGES, max_tokens=8, temperature=0.0,

@@ -320,7 +320,7 @@ def test_a_disconnected_non_streamed_request_cancels_every_choice():
     async def go():
         fan = FanOut([hangs(i) for i in range(3)])
         with pytest.raises(APIError) as e:
-            await proxy._collect(Gone(), fan, [])
+            await proxy._collect(Gone(), fan, [], 3)
         return e.value.status
 
     assert asyncio.run(go()) == 499 and sorted(left) == [0, 1, 2]

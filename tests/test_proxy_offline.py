@@ -89,10 +89,13 @@ def test_requests_checked_before_triton():
 
 
 def test_completions_options_checked_before_triton():
-    """Legacy completions' suffix and best_of are a 400, not ignored; their off values pass
-    (and reach the missing Triton: 503)."""
+    """Legacy completions' suffix is a 400, not ignored; best_of below n, above 16 or
+    streamed (above n) too; their off / valid values pass (and reach the missing Triton:
+    503)."""
     app = create_app(ProxyConfig(triton_grpc=f"127.0.0.1:{free_port()}"))
-    cases = [({"suffix": "end"}, 400, "suffix"), ({"best_of": 3}, 400, "best_of"),
+    cases = [({"suffix": "end"}, 400, "suffix"), ({"best_of": 2, "n": 3}, 400, "best_of"),
+             ({"best_of": 17}, 400, "best_of"), ({"best_of": 3, "stream": True}, 400, "best_of"),
+             ({"best_of": 3}, 503, ""), ({"best_of": 2, "n": 2, "stream": True}, 503, ""),
              ({"suffix": "", "best_of": 1}, 503, ""), ({"suffix": None, "best_of": None}, 503, "")]
 
     async def go():
