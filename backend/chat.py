@@ -192,11 +192,36 @@ def forced_tool_prefix(tool_choice: Any) -> str:
     return TOOL_CALL_OPEN + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
 
 
-# llguidance's JSON options for a tool's arguments: the separators json.dumps (and the template's
-# tojson) writes, no other whitespace; keywords it does not implement ignored (the tools' authors
-# did not ask for a grammar: a schema keyword must not fail the request).
-TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-                     "lenient": True}
+# llguidance's JSON options: the separators json.dumps (and the template's tojson) writes, no
+# other whitespace (flexible whitespace lets a model pad a value with blank lines until
+# max_tokens). A tool's arguments also ignore keywords llguidance does not implement (the tools'
+# authors did not ask for a grammar: a schema keyword must not fail the request).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+TOOL_JSON_OPTIONS = {**JSON_OPTIONS, "lenient": True}
+
+
+def _json_rule(schema: dict, options: dict) -> str:
+    """llguidance's Lark rule for a JSON value matching `schema` (its own x-guidance options
+    over `options`)."""
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    return "%json " + json.dumps({**schema, "x-guidance": {**options, **own}}, ensure_ascii=False)
+
+
+def _tag(t: str, specials: Collection[str] | None) -> str:
+    """A tag in a grammar: its special token, or its text where the tokenizer has no such
+    special token (specials None: all tags are special)."""
+    return t if specials is None or t in specials else json.dumps(t)
+
+
+def json_grammar(schema: dict, think: bool = False,
+                 specials: Collection[str] | None = None) -> str:
+    """The grammar (llguidance's Lark) of a reply that is JSON matching `schema`; think: after
+    an optional `<think>...</think>` and whitespace (a chat reply with thinking on: the
+    reasoning first, then the value)."""
+    if not think:
+        return "start: " + _json_rule(schema, JSON_OPTIONS)
+    return "\n".join([f"start: think? /[ \\t\\n]*/ {_json_rule(schema, JSON_OPTIONS)}",
+                      f"think: {_tag('<think>', specials)} /(?s:.*)/ {_tag('</think>', specials)}"])
 
 
 def tool_call_grammar(tools: list | None, tool_choice: Any,
@@ -223,12 +248,10 @@ def tool_call_grammar(tools: list | None, tool_choice: Any,
         return None
 
     def tag(t: str) -> str:
-        return t if specials is None or t in specials else json.dumps(t)
+        return _tag(t, specials)
 
     def arguments(fn: dict) -> str:
-        schema = fn.get("parameters") or {"type": "object"}
-        return "%json " + json.dumps({**schema, "x-guidance": TOOL_JSON_OPTIONS},
-                                     ensure_ascii=False)
+        return _json_rule(fn.get("parameters") or {"type": "object"}, TOOL_JSON_OPTIONS)
 
     if name is not None:
         return f'start: " "? {arguments(fns[name])} "}}" {tag(TOOL_CALL_CLOSE)}'

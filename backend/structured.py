@@ -26,9 +26,7 @@ from pathlib import Path
 
 import torch
 
-# Compact separators with one space, as json.dumps writes and models mostly do; no other
-# whitespace (flexible whitespace lets a model pad the output with blank lines until max_tokens).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from volundr.chat import JSON_OPTIONS
 
 
 def check_schema(text: str) -> str:

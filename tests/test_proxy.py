@@ -12,6 +12,7 @@ import httpx
 import openai
 import pydantic
 import pytest
+from tokenizers import Tokenizer
 
 from volundr.clients.triton import VolundrTriton
 
@@ -73,8 +74,6 @@ def test_penalties_reach_the_engine(client, serving, tiny_dir):
     greedy text, the same way every time, streamed or not; Triton's HTTP generate takes them
     as inputs of the ensemble too; logit_bias +100 on a token makes a completion of it alone."""
     from pathlib import Path
-
-    from tokenizers import Tokenizer
 
     kw = dict(model="volundr", messages=MESSAGES, max_tokens=24, temperature=0.0)
     plain = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
@@ -144,7 +143,7 @@ class Forge(pydantic.BaseModel):
     blows: list[Literal[1, 2, 3]] = pydantic.Field(max_length=2)
 
 
-def test_response_format(client):
+def test_response_format(client, tiny_dir):
     """response_format json_schema (the SDK's parse() with a pydantic model, strict) and
     json_object: the reply is JSON matching the schema, whole and streamed, greedy and
     sampled, ended with "stop"; a schema that does not compile is a 400 naming
@@ -174,6 +173,16 @@ def test_response_format(client):
     c = client.completions.create(model="volundr", prompt="The forge", max_tokens=80,
                                   temperature=0.0, extra_body={"response_format": fmt})
     Forge.model_validate_json(c.choices[0].text)
+    # thinking asked for: the reasoning first (the think tags forced by logit_bias here),
+    # then the value as content
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    bias = {str(tok.token_to_id(t)): 100 for t in ("<think>", "</think>")}
+    r = client.chat.completions.create(**kw, temperature=0.0, response_format=fmt,
+                                       logit_bias=bias,
+                                       extra_body={"chat_template_kwargs": {
+                                           "enable_thinking": True}})
+    assert r.choices[0].finish_reason == "stop"
+    Forge.model_validate_json(r.choices[0].message.content)
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**kw, response_format=bad)
@@ -427,8 +436,6 @@ def test_strict_tools_under_auto(client, tiny_dir):
     is free text or calls whose arguments match their function's parameters (the grammar
     starts them at the special <tool_call> token; a logit_bias on it makes the random tiny
     model call at once)."""
-    from tokenizers import Tokenizer
-
     open_id = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).token_to_id("<tool_call>")
     tools = [{**t, "function": {**t["function"], "strict": True}} for t in CLOSED_TOOLS]
     r = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=80,

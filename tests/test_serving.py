@@ -158,7 +158,7 @@ def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
         (dict(text_input="x", logit_bias='{"99999999": 1}'), "logit_bias token ids"),
         (dict(text_input="x", logit_bias="[1]"), "logit_bias must be a JSON object"),
         (dict(text_input="x", top_logprobs=21), "logprobs must be an integer"),
-        (dict(text_input="x", json_schema="{oops"), "json_schema is not JSON"),
+        (dict(text_input="x", json_schema="{oops"), "json_schema is not valid JSON"),
         (dict(text_input="x", json_schema='{"type": "strin"}'), "json_schema cannot be compiled"),
         (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
     ]

@@ -163,6 +163,26 @@ def test_a_step_counts_tokens_up_to_the_completing_one(llm):
     assert seq.grammar.validate_tokens(ids) == len(ids)  # (untouched: from the start)
 
 
+def test_json_grammar_with_thinking(llm):
+    """volundr.chat.json_grammar: the value alone, or (think) after an optional think block
+    and whitespace; text outside those is refused."""
+    from volundr.chat import json_grammar
+
+    tok = llm.tokenizer
+    value = tok.encode('{"colour": "red", "ok": true, "n": 3, "tags": []}',
+                       add_special_tokens=False).ids
+    think = ([tok.token_to_id("<think>")] + tok.encode("plan it", add_special_tokens=False).ids
+             + [tok.token_to_id("</think>")] + tok.encode("\n\n", add_special_tokens=False).ids)
+
+    def takes(think_on: bool, ids: list[int]) -> bool:
+        m = llm.engine.grammars.matcher(SamplingParams(grammar=json_grammar(SCHEMA, think_on)))
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    assert takes(False, value) and takes(True, value) and takes(True, think + value)
+    assert not takes(False, think + value)
+    assert not takes(True, tok.encode("Sure: ", add_special_tokens=False).ids + value)
+
+
 def test_without_llguidance_a_structured_request_is_a_clear_error(tiny_dir, monkeypatch):
     from volundr.structured import Grammars
 

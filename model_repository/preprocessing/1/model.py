@@ -7,13 +7,10 @@ import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from llguidance import LLMatcher
 from tokenizers import Tokenizer
 
-from volundr.chat import (
-    load_chat_template,
-    render_chat,
-    tool_call_grammar,
-)
+from volundr.chat import json_grammar, load_chat_template, render_chat, tool_call_grammar
 from volundr.serve.repo import model_parameters, resolve_model_dir
 
 
@@ -57,9 +54,12 @@ class TritonPythonModel:
                          if t.special}
 
     def _prompt(self, request) -> tuple[str, str]:
-        """(the prompt, the grammar its reply must follow: the request's or a forced call's,
-        "" for none)."""
+        """(the prompt, the grammar its reply must follow: the request's, its json_schema's, a
+        forced or strict call's; "" for none)."""
         grammar = _text(request, "grammar") or ""
+        schema = _json(request, "json_schema", dict)
+        if schema is not None and grammar:
+            raise ValueError("invalid request: give json_schema or grammar, not both")
         text = _text(request, "text_input")
         messages = _json(request, "messages", list)
         if (text is None) == (messages is None):
@@ -67,7 +67,10 @@ class TritonPythonModel:
         if text is not None:
             if not text:
                 raise ValueError("invalid request: text_input is empty")
-            return text, grammar
+            try:
+                return text, grammar or self._json_grammar(schema, think=False)
+            except ValueError as e:
+                raise ValueError(f"invalid request: {e}") from None
         if self.template is None:
             raise ValueError("invalid request: this checkpoint has no chat template; "
                              "send text_input")
@@ -82,14 +85,27 @@ class TritonPythonModel:
             prompt = render_chat(self.template, messages, tools=tools or None,
                                  tool_choice=tool_choice, **kwargs)
             calls = tool_call_grammar(tools, tool_choice, self.specials)
-            if calls and grammar:
-                raise ValueError("grammar cannot be combined with a tool_choice that forces a "
-                                 "call or strict tools (the calls have their grammar)")
-            return prompt, grammar or calls or ""
+            if calls and (grammar or schema is not None):
+                raise ValueError("grammar / json_schema cannot be combined with a tool_choice "
+                                 "that forces a call or strict tools (the calls have theirs)")
+            # thinking on (the template's default): the reasoning first, then the value
+            think = kwargs.get("enable_thinking", True) is not False
+            return prompt, grammar or calls or self._json_grammar(schema, think)
         except ValueError as e:
             raise ValueError(f"invalid request: {e}") from None
         except TypeError as e:  # e.g. chat_template_kwargs naming messages or tools
             raise ValueError(f"invalid request: chat_template_kwargs: {e}") from None
+
+    def _json_grammar(self, schema: dict | None, think: bool) -> str:
+        """The grammar of a reply matching the json_schema input ("" without one), checked
+        here so that a bad schema is the request's error, named as such."""
+        if schema is None:
+            return ""
+        grammar = json_grammar(schema, think, self.specials)
+        error = LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"json_schema cannot be compiled: {error}")
+        return grammar
 
     def execute(self, requests: list) -> list:
         responses = []
