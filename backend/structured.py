@@ -105,8 +105,9 @@ def _bits(m, W: int) -> torch.Tensor:
 
 def row_bits(m, guesses: list[int], rows: int, W: int) -> torch.Tensor:
     """[rows, W] int32: row j's bitmask after the matcher took guesses d_1 .. d_j (a speculative
-    check's rows; volundr.speculative). Past the first guess the grammar refuses, the rows
-    repeat that row's mask (the guess is rejected there anyway). The matcher ends as it began."""
+    check's rows; volundr.speculative), one matcher at a time (the plain form of
+    `batch_row_bits`). Past the first guess the grammar refuses, the rows repeat that row's
+    mask (the guess is rejected there anyway). The matcher ends as it began."""
     taken = m.validate_tokens(guesses[:rows - 1])  # (changes nothing)
     out = torch.empty(rows, W, dtype=torch.int32)
     for j in range(rows):
@@ -148,15 +149,39 @@ def forced_drafts(seqs, drafts: list[list[int]], k: int) -> list[list[int]]:
     return out
 
 
+_executor = None
+
+
+def batch_row_bits(matchers: list, guesses: list[list[int]], rows: int, W: int) -> torch.Tensor:
+    """`row_bits` of every matcher at once, in parallel on llguidance's thread pool (its
+    LLExecutor: the matchers' masks are independent): [len(matchers), rows, W] int32. Rows
+    past a matcher's first refused guess are all ones (never read: the guess is rejected at
+    the row before). W: ceil(V / 32) of the tokenizer's n_vocab."""
+    global _executor
+    if _executor is None:
+        import llguidance
+
+        _executor = llguidance.LLExecutor()
+    bits = torch.full((len(matchers) * rows, W), -1, dtype=torch.int32)
+    jobs = [(m, i * rows, g[:rows - 1]) for i, (m, g) in enumerate(zip(matchers, guesses))]
+    if drafted := [j for j in jobs if j[2]]:  # (the executor takes no empty guess lists)
+        _executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bits.data_ptr(), W * 4,
+                                                           bits.shape[0])
+    if alone := [(m, at) for m, at, g in jobs if not g]:
+        _executor.unsafe_compute_mask_ptr(alone, bits.data_ptr(), W * 4, bits.shape[0])
+    return bits.view(len(matchers), rows, W)
+
+
 def mask_rows(logits: torch.Tensor, seqs, guesses: list[list[int]]) -> torch.Tensor:
     """A speculative check's logits [n, rows, V] with row j of sequence i masked by its
-    grammar after guesses[i][:j] (`row_bits`); sequences without a grammar as they are."""
+    grammar after guesses[i][:j] (`batch_row_bits`); sequences without a grammar as they
+    are."""
     n, rows, V = logits.shape
     idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not idx:
         return logits
     W = (V + 31) // 32
-    bits = torch.stack([row_bits(seqs[i].grammar, guesses[i], rows, W) for i in idx])
+    bits = batch_row_bits([seqs[i].grammar for i in idx], [guesses[i] for i in idx], rows, W)
     allowed = bitmask_to_bool(bits.view(-1, W).to(logits.device, non_blocking=True), V)
     at = torch.tensor(idx, device=logits.device)
     sub = logits[at].masked_fill(~allowed.view(len(idx), rows, V), float("-inf"))

@@ -57,6 +57,28 @@ def test_bitmask_to_bool_reads_bit_b_of_word_w_as_id_32w_plus_b():
     assert torch.equal(bitmask_to_bool(bits, V), want)
 
 
+def test_batch_row_bits_are_row_bits(llm):
+    """The parallel masks (llguidance's executor) == one matcher at a time, for matchers at
+    different states with guesses all valid, valid then refused, refused at once and none;
+    the matchers end where they began. Rows past a refused guess may differ (never read)."""
+    from volundr.structured import batch_row_bits, row_bits
+
+    tok, g = llm.tokenizer, llm.engine.grammars
+    ids = tok.encode('{"colour": "green", "ok": false, "n": 42, "tags": ["a"]}',
+                     add_special_tokens=False).ids
+    ms = [g.matcher(SamplingParams(json_schema=json.dumps(SCHEMA))) for _ in range(4)]
+    for m, k in zip(ms, (0, 3, 6, 9)):
+        m.consume_tokens(ids[:k])
+    guesses = [ids[:3], ids[3:5] + [5], [999, 1], []]
+    rows, W = 4, (llm.config.vocab_size + 31) // 32
+    got = batch_row_bits(ms, guesses, rows, W)
+    for m, d, b in zip(ms, guesses, got):
+        read = min(m.validate_tokens(d[:rows - 1]), rows - 1) + 1  # rows the check reads
+        assert torch.equal(b[:read], row_bits(m, d, rows, W)[:read])
+    for m, k in zip(ms, (0, 3, 6, 9)):  # (unchanged: the rest of the value still fits)
+        assert m.validate_tokens(ids[k:]) == len(ids) - k
+
+
 def test_outputs_match_the_schema(llm):
     """Greedy, sampled and seeded requests with the schema, batched with free-text requests:
     each schema output is JSON matching it, ended with "stop" (the grammar complete); the free
