@@ -122,8 +122,8 @@ class LLMEngine:
         """draft = (config, weights) of a drafter (Volundr-Draft: the same vocabulary): decode
         steps then check ecfg.num_speculative_tokens of its guesses at once
         (volundr.speculative); "mtp": the checkpoint's MTP head guesses them
-        (speculate_mtp). grammars: compiles requests' json_schema over the model's tokenizer
-        (volundr.structured; None: such requests are refused)."""
+        (speculate_mtp). grammars: compiles requests' json_schema / grammar over the model's
+        tokenizer (volundr.structured; None: such requests are refused)."""
         self.cfg, self.ecfg = cfg, ecfg
         self.mtp = draft == "mtp"
         if self.mtp:

@@ -5,7 +5,7 @@ Sampling uses the exponential-race form of the Gumbel trick: token = argmax(p_i 
 E_i ~ Exp(1). A seeded request draws its E from its own generator, one row per step, so its
 tokens do not depend on which other requests share the batch. Penalties and logit_bias change
 the logits first, greedy requests' too; then a structured request's grammar masks every id
-that would break its JSON (volundr.structured).
+that would break its form (volundr.structured).
 """
 
 from __future__ import annotations

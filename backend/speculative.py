@@ -19,7 +19,8 @@ position p not yet run through the model (its state holds tokens [0, p)):
      q = the one-hot greedy guess). Penalties (presence, frequency, repetition) apply to row j
      as if d_1 .. d_j had been generated, as they would have been by then, and logit_bias to
      every row (greedy and sampled alike), and a structured request's grammar masks row j as
-after d_1 .. d_j. Seeded sampled requests (`accept_seeded`): their
+     after d_1 .. d_j (volundr.structured; the tokens it forces are the first guesses). Seeded
+     sampled requests (`accept_seeded`): their
      tokens must depend on the seed alone (the sampler's promise: not on the batch, nor on k),
      so row j's token is drawn with the sequence's own next noise row as plain sampling would,
      and guesses are kept while they equal it, as for greedy. Then `m` <= n + 1 of the emitted
