@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from volundr.chat import JSON_OPTIONS
+from volundr.chat import json_grammar
 
 
-def check_schema(text: str) -> str:
-    """`text` if it is JSON of a schema (an object, or true: any value); else ValueError."""
+def check_schema(text: str) -> dict:
+    """The schema `text` is JSON of (an object; true, any value, as {}); else ValueError."""
     try:
         schema = json.loads(text)
     except (TypeError, ValueError) as e:
         raise ValueError(f"json_schema is not JSON: {e}") from None
     if not isinstance(schema, dict) and schema is not True:
         raise ValueError("json_schema must be a JSON object (a JSON Schema)")
-    return text
+    return {} if schema is True else schema
 
 
 class Grammars:
@@ -85,13 +85,8 @@ class Grammars:
 
         if params.grammar is not None:
             name, grammar = "grammar", params.grammar
-        else:
-            name = "json_schema"
-            try:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    check_schema(params.json_schema), defaults=JSON_OPTIONS)
-            except ValueError as e:
-                raise ValueError(f"json_schema: {e}") from None
+        else:  # (the grammar preprocessing builds for the ensemble's json_schema too)
+            name, grammar = "json_schema", json_grammar(check_schema(params.json_schema))
         m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"{name} cannot be compiled: {m.get_error()}")
@@ -125,16 +120,15 @@ def row_bits(m, guesses: list[int], rows: int, W: int) -> torch.Tensor:
 def completes_at(m, tokens: list[int]) -> int:
     """How many of `tokens` (appended one by one) the request keeps: up to the one that
     completes the matcher's value, or all. The matcher ends as it began."""
-    n = 0
+    n = stopped = 0
     for t in tokens[:m.validate_tokens(tokens)]:
         m.consume_token(t)
         n += 1
-        if m.is_stopped():
-            m.rollback(n)
-            return n
+        if stopped := m.is_stopped():
+            break
     if n:
         m.rollback(n)
-    return len(tokens)
+    return n if stopped else len(tokens)
 
 
 def forced_drafts(seqs, drafts: list[list[int]], k: int) -> list[list[int]]:
