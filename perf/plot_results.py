@@ -243,11 +243,46 @@ def plot_speculative(out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _mtp_depth(out: Path, ks: list[int], ms: list[float], rate: list[float],
+               check: list[float], mtp: list[float], plain: float, title: str,
+               rand: dict[int, float] | None = None) -> None:
+    """Single-stream tok/s of the MTP head's k guesses a step with every guess accepted
+    (`rate`, measured; ms per step `ms`), the tok/s a head would reach keeping each further
+    guess with probability p (from the step times), the random weights' own guesses (`rand`:
+    k -> tok/s), and each step's parts (check graph, k MTP block replays of `mtp` ms each, the
+    rest)."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a1.plot(ks, rate, "o-", color="C2", label="every guess accepted (measured)")
+    for k, r in zip(ks, rate):
+        a1.annotate(f"{r:.0f}", (k, r), textcoords="offset points", xytext=(-14, 6), fontsize=8)
+    for a, c in ((0.9, "C0"), (0.8, "C1"), (0.7, "C3")):
+        a1.plot(ks, [sum(a ** j for j in range(k + 1)) * 1e3 / m for k, m in zip(ks, ms)], "--",
+                color=c, label=f"each further guess kept with p = {a} (from the step times)")
+    if rand:
+        a1.plot(list(rand), list(rand.values()), "x", color="k",
+                label="random weights' own guesses (measured)")
+    a1.axhline(plain, color="gray", lw=1, label=f"plain decode ({plain:.0f}, graph alone)")
+    a1.set_xlabel("k, guesses a step (--num-speculative-tokens)")
+    a1.set_ylabel("tok/s, one stream")
+    a1.set_title(title)
+    a1.legend(fontsize=7)
+    rest = [m - c - k * q for m, c, k, q in zip(ms, check, ks, mtp)]
+    a2.bar(ks, check, label="check graph (k + 1 rows)")
+    a2.bar(ks, [k * q for k, q in zip(ks, mtp)], bottom=check, label="MTP block replays (k)")
+    a2.bar(ks, rest, bottom=[c + k * q for c, k, q in zip(check, ks, mtp)],
+           label="commit graph, host, read back")
+    for k, m in zip(ks, ms):
+        a2.text(k, m + 0.2, f"{m:.2f}", ha="center", fontsize=8)
+    a2.set_xlabel("k")
+    a2.set_ylabel("ms per step (one replay of the greedy step)")
+    a2.set_title("A speculative step's parts")
+    a2.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def plot_mtp_depth(out: Path) -> None:
-    """The MTP head's k guesses a step on the H100 (runs 130-132): single-stream tok/s with every
-    guess accepted (a perfect head) and with the random weights' own guesses (all wrong), the
-    tok/s a head would reach keeping each further guess with probability a (from the measured
-    step times), and each step's parts (check graph, k MTP replays, the rest)."""
+    """The MTP head's k guesses a step on the H100 (runs 130-132)."""
     res = HERE / "results"
     acc = {1: None, 2: "k2_run131", 3: "k3_run131", 4: "k4_run131", 6: "k6_run132"}
     runs = {k: json.loads((res / f"mtp_accept_{v}.json").read_text()) for k, v in acc.items()
@@ -256,45 +291,33 @@ def plot_mtp_depth(out: Path) -> None:
     ks = sorted(acc)
     ms = [r130["mixed@8+mtp+accept"]["ms_per_step"] if k == 1
           else runs[k]["untimed"]["ms_per_step"] for k in ks]
-    check = [runs[k]["checks_graph_ms"] if k > 1 else None for k in ks]
-    mtp = [runs[k]["mtp_graphs_graph_ms"] for k in ks if k > 1]
     rand = {k: json.loads((res / f"mtp_random_k{k}_run132.json").read_text()) for k in (1, 2)}
-    plain = 1e3 / rand[1]["decode_graph_ms"]
-    check[0] = rand[1]["checks_graph_ms"]  # (k = 1: the 2-row check of the same build)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    check = [rand[1]["checks_graph_ms"]] + [runs[k]["checks_graph_ms"] for k in ks[1:]]
+    mtp = [runs[k]["mtp_graphs_graph_ms"] for k in ks if k > 1]
     rate = [r130["mixed@8+mtp+accept"]["tok_per_s"] if k == 1
             else runs[k]["untimed"]["tok_per_s"] for k in ks]  # (prefill and first step in)
-    a1.plot(ks, rate, "o-", color="C2", label="every guess accepted (measured)")
-    for k, r in zip(ks, rate):
-        a1.annotate(f"{r:.0f}", (k, r), textcoords="offset points", xytext=(-14, 6), fontsize=8)
-    for a, c in ((0.9, "C0"), (0.8, "C1"), (0.7, "C3")):
-        a1.plot(ks, [sum(a ** j for j in range(k + 1)) * 1e3 / m for k, m in zip(ks, ms)], "--",
-                color=c, label=f"each further guess kept with p = {a} (from the step times)")
-    a1.plot([1, 2], [rand[k]["untimed"]["tok_per_s"] for k in (1, 2)], "x", color="k",
-            label="random weights' own guesses (measured)")
-    a1.axhline(plain, color="gray", lw=1, label=f"plain decode ({plain:.0f}, graph alone)")
-    a1.set_xlabel("k, guesses a step (--num-speculative-tokens)")
-    a1.set_ylabel("tok/s, one stream")
-    a1.set_title("Volundr-32B mixed, MTP drafts, H100 (runs 130-132)")
-    a1.legend(fontsize=7)
-    rest = [m - c - k * q for m, c, k, q in zip(ms, check, ks, [mtp[0]] + mtp)]
-    a2.bar(ks, check, label="check graph (k + 1 rows)")
-    a2.bar(ks, [k * q for k, q in zip(ks, [mtp[0]] + mtp)], bottom=check,
-           label="MTP block replays (k)")
-    a2.bar(ks, rest, bottom=[c + k * q for c, k, q in zip(check, ks, [mtp[0]] + mtp)],
-           label="commit graph, host, read back")
-    for k, m in zip(ks, ms):
-        a2.text(k, m + 0.2, f"{m:.2f}", ha="center", fontsize=8)
-    a2.set_xlabel("k")
-    a2.set_ylabel("ms per step (one replay of the greedy step)")
-    a2.set_title("A speculative step's parts, H100")
-    a2.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _mtp_depth(out, ks, ms, rate, check, [mtp[0]] + mtp, 1e3 / rand[1]["decode_graph_ms"],
+               "Volundr-32B mixed, MTP drafts, H100 (runs 130-132)",
+               {k: rand[k]["untimed"]["tok_per_s"] for k in (1, 2)})
 
+
+def plot_mtp_depth_h200(out: Path) -> None:
+    """The same on the H200 with kda_rows (session 33, runs 139 and 141; no random-guess
+    runs)."""
+    res = HERE / "results"
+    acc = {1: "k1_run139", 2: "k2_run139", 3: "k3_run139", 4: "k4_run141", 6: "k6_run141"}
+    runs = {k: json.loads((res / f"mtp_accept_{v}.json").read_text()) for k, v in acc.items()}
+    ks = sorted(runs)
+    _mtp_depth(out, ks, [runs[k]["untimed"]["ms_per_step"] for k in ks],
+               [runs[k]["untimed"]["tok_per_s"] for k in ks],
+               [runs[k]["checks_graph_ms"] for k in ks],
+               [runs[k]["mtp_graphs_graph_ms"] for k in ks],
+               1e3 / runs[1]["decode_graph_ms"],
+               "Volundr-32B mixed, MTP drafts, H200 (runs 139, 141)")
 
 if __name__ == "__main__":
     plot_mtp_depth(HERE / "mtp_depth_h100.png")
+    plot_mtp_depth_h200(HERE / "mtp_depth_h200.png")
     plot_speculative(HERE / "speculative_h100.png")
     plot_rows(HERE / "gemv_rows_h100.png")
     plot_decode_attention_floor(HERE / "decode_attention_floor_h200.png")

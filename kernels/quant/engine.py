@@ -89,7 +89,8 @@ I8_ROWS = int(os.environ.get("VOLUNDR_I8_ROWS", "16"))
 # tile sums of h^2; the next input projection scales each row by its 1 / rms): ~140 norm
 # launches per decode step less at batch 2-16 (batch 16, H100 run 120: 151 norm launches, 0.35 ms
 # of an eager step). Right on CUDA but no faster (H100 run 123, graph ms: batch 2 -1.3%, 8 -0.4%,
-# 16 +3.4%): opt-in, VOLUNDR_I8_ROWS_FOLD=1.
+# 16 +3.4%; H200 run 141: batch 2 / 4 -1.2% / -1.3%, 8 +0.1%, 16 +3.3%): opt-in,
+# VOLUNDR_I8_ROWS_FOLD=1.
 ROWS_FOLD = os.environ.get("VOLUNDR_I8_ROWS_FOLD", "0") == "1"
 # 17 up to this many rows on gemv_i8_rows in calls of 16 rows (each reads the weights again)
 # instead of the 64-row tensor-core tiles (quant_matmul_triton): a speculative check of 4-8
@@ -118,7 +119,10 @@ GATED_NORM_FOLD = os.environ.get("VOLUNDR_GATED_NORM_FOLD", "1") == "1"
 # o_proj on gemv_i8 (+ the digits launch) instead of gemv_tc (VOLUNDR_GATED_NORM_I8=1); in a
 # speculative check (2-16 rows) kda_rows writes o w sigmoid(gate) and the sums of squares and
 # o_proj runs on gemv_i8_rows, the check's 54 gated-norm launches gone
-# (VOLUNDR_ROWS_GATED_NORM=1). Built in session 31 without a GPU: opt-in until measured.
+# (VOLUNDR_ROWS_GATED_NORM=1). Built in session 31; right on CUDA (H200 run 140: its kernel and
+# speculative CUDA tests pass) but no faster: a perfect MTP head's k = 2 step 8.75 -> 8.81 ms
+# with the check's fold (run 140), single stream 186.2 -> 185.4 tok/s with o_proj on gemv_i8
+# (run 139): both opt-in.
 GATED_NORM_I8 = os.environ.get("VOLUNDR_GATED_NORM_I8", "0") == "1"
 ROWS_GATED_NORM = os.environ.get("VOLUNDR_ROWS_GATED_NORM", "0") == "1"
 # A layer's residual add and the next RMSNorm split between two tensor-core GEMVs at M = 1
