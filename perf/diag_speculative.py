@@ -7,6 +7,8 @@
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+host  # the host's calls
     python3 perf/diag_speculative.py --variant mixed@8+mtp+right+k2    # two guesses a step
     python3 perf/diag_speculative.py --variant mixed@8+mtp --kernels $OUT/k.txt  # + kernels
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+accept+k2 --trace $OUT/gaps.txt
+        (each step's wall time against its GPU busy time, host lead / tail, idle gaps)
         (under PDL a kernel's time includes its early start's wait: VOLUNDR_PDL=0 for times
         that add up; the launch counts hold either way)
 
@@ -27,6 +29,7 @@ from collections import defaultdict
 
 import torch
 from bench_decode import build, decode_rate, graph_ms, replay_ms, sync
+from step_gaps import trace_steps
 
 import volundr.speculative as spec
 
@@ -112,6 +115,9 @@ def main() -> None:
     ap.add_argument("--kernels", default=None,
                     help="a text file for the profiled kernels of the decode graph and the "
                     "smallest check graph (GPU only)")
+    ap.add_argument("--trace", default=None,
+                    help="a text file for a profiled decode of 24 tokens, per engine step: wall "
+                    "time, GPU busy time, host lead / tail and idle gaps (step_gaps.py)")
     args = ap.parse_args()
     base, *sfx = args.variant.split("+")
     variant, _, steps = base.partition("@")
@@ -144,6 +150,8 @@ def main() -> None:
         spec.greedy_kept = lambda a, guesses: a[:len(guesses) + 1]
     before = e.stats()
     clean = decode_rate(e, 1, 128, args.tokens)  # no timers (their syncs cost)
+    gaps = trace_steps(e, lambda: decode_rate(e, 1, 128, 24), args.trace) if args.trace \
+        else None
     spec_stats = {k: v - before[k] for k, v in e.stats().items() if k.startswith("spec_")}
     totals: dict[str, list[float]] = defaultdict(list)
     t_runner, d_runner = e.runner, e.drafter
@@ -165,6 +173,8 @@ def main() -> None:
            "calls": {n: len(v) for n, v in totals.items()},
            "untimed": {"tok_per_s": clean["tok_per_s"], "ms_per_step": clean["ms_per_step"],
                        **spec_stats}}
+    if gaps is not None:
+        res["step_gaps"] = gaps
     for name in ("checks", "mtp_graphs"):
         g = getattr(t_runner, name, None)
         if g is not None and g.graphs:
