@@ -198,13 +198,17 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     input_embeds: dict[int, torch.Tensor] | None = None,
-                    session_id: str | None = None, priority: int = 0) -> str:
+                    session_id: str | None = None, priority: int = 0,
+                    grammar=None) -> str:
         """input_embeds: prompt position -> [hidden] vector used instead of that token's
         embedding (image patches from a vision tower, for example). session_id: resume the
         session's parked state if this prompt extends its tokens, and park this request's
         state under it when it ends (volundr.session). priority: waiting requests are admitted
         lower values first (then in arrival order); under KV pressure the highest value is
-        preempted first."""
+        preempted first. grammar: a structured request's matcher compiled already
+        (self.grammars.matcher(params) on another thread: a large schema takes milliseconds,
+        which the engine's thread would take from every running stream); None: compiled
+        here."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.check()  # WorkerError once a rank is gone
         ids = [int(t) for t in prompt_token_ids]
@@ -224,7 +228,7 @@ class LLMEngine:
         if params.structured:
             if self.grammars is None:
                 raise ValueError("structured output: this engine has no tokenizer for grammars")
-            seq.grammar = self.grammars.matcher(params)
+            seq.grammar = grammar if grammar is not None else self.grammars.matcher(params)
         seq.priority = int(priority)
         for pos, vec in (input_embeds or {}).items():
             if not 0 <= pos < len(ids):

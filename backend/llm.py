@@ -154,12 +154,23 @@ class LLM:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     input_embeds: dict[int, torch.Tensor] | None = None,
-                    session_id: str | None = None, priority: int = 0) -> str:
+                    session_id: str | None = None, priority: int = 0,
+                    grammar=None) -> str:
         """input_embeds: prompt position -> [hidden] vector replacing that token's embedding;
-        session_id: resume / park the session's state; priority: lower is admitted first
-        (LLMEngine.add_request)."""
+        session_id: resume / park the session's state; priority: lower is admitted first;
+        grammar: a structured request's matcher from `compile_grammar` (LLMEngine.add_request)."""
         return self.engine.add_request(prompt_token_ids, params, request_id, input_embeds,
-                                       session_id, priority)
+                                       session_id, priority, grammar)
+
+    def compile_grammar(self, params: SamplingParams):
+        """The matcher of a structured request (volundr.structured.Grammars.matcher; any
+        thread), for add_request; None for a free one. ValueError: a grammar that does not
+        compile, or no grammars in this engine."""
+        if not params.structured:
+            return None
+        if self.engine.grammars is None:
+            raise ValueError("structured output: this engine has no tokenizer for grammars")
+        return self.engine.grammars.matcher(params)
 
     def close_session(self, session_id: str) -> bool:
         """Drops the session's parked state; whether there was one."""

@@ -151,6 +151,41 @@ def test_bad_request_is_an_error_and_the_loop_keeps_serving(loop):
     assert ok.done.wait(60) and ok.chunks[-1].finish_reason == "length"
 
 
+def test_grammars_compile_on_the_submitting_thread(llm, loop, monkeypatch):
+    """A structured request's grammar is compiled by submit (Triton's execute thread), not by
+    the engine's thread, which would stall every running stream meanwhile; one that does not
+    compile is an error there and the loop keeps serving."""
+    import json
+
+    grammars = llm.engine.grammars
+    threads: list[str] = []
+    compile_ = grammars.matcher
+
+    def matcher(params):
+        threads.append(threading.current_thread().name)
+        return compile_(params)
+
+    monkeypatch.setattr(grammars, "matcher", matcher)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    s = CollectingSink()
+    loop.submit("json", [20, 21, 22], SamplingParams(max_tokens=40, temperature=0.0,
+                                                     json_schema=json.dumps(schema)),
+                (), False, s)
+    assert s.done.wait(60) and not s.errors
+    assert threads == [threading.current_thread().name] and "volundr-engine" not in threads
+    text = llm.tokenizer.decode([t for c in s.chunks for t in c.output_ids])
+    if s.chunks[-1].finish_reason == "stop":  # (a random model may run out of tokens first)
+        assert isinstance(json.loads(text)["n"], int)
+    bad = CollectingSink()
+    loop.submit("bad", [20, 21, 22], SamplingParams(max_tokens=4, grammar="start: ("), (),
+                False, bad)
+    assert bad.done.is_set() and bad.errors[0].startswith("invalid request: grammar cannot")
+    ok = CollectingSink()
+    loop.submit("ok2", [20, 21, 22], greedy(3), (), True, ok)
+    assert ok.done.wait(60) and ok.chunks[-1].finish_reason == "length"
+
+
 def test_backpressure_refuses_past_the_in_flight_limit(llm, loop):
     """A second loop on the same (idle) engine, limited to 2 requests in flight."""
     loop.shutdown()  # one thread owns the engine at a time

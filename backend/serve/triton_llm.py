@@ -171,8 +171,13 @@ class EngineLoop:
     def submit(self, triton_id: str, prompt_ids: list[int], params: SamplingParams,
                stops: Sequence[str], stream: bool, sink: Sink,
                session_id: str | None = None, priority: int = 0) -> None:
+        try:  # a structured request's grammar compiles here, off the engine's thread
+            grammar = self.llm.compile_grammar(params)
+        except ValueError as e:
+            sink.error(f"invalid request: {e}")
+            return
         self._q.put(("add", triton_id, prompt_ids, params, tuple(stops), stream, sink,
-                     session_id, priority))
+                     session_id, priority, grammar))
 
     def abort(self, triton_id: str, reply: Callable[[dict], None]) -> None:
         """Abort every running request with this Triton request id; reply with the stats after."""
@@ -196,7 +201,7 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, tid, prompt_ids, params, stops, stream, sink, session_id, priority = cmd
+            _, tid, prompt_ids, params, stops, stream, sink, session_id, priority, grammar = cmd
             if tid and self._tombstones.pop(tid, None) is not None:
                 rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
                 self._send(_Active(tid, rs, sink), rs.push([], "abort"), final=True)
@@ -208,7 +213,7 @@ class EngineLoop:
             rid = uuid.uuid4().hex
             try:
                 self.llm.add_request(prompt_ids, params, request_id=rid,
-                                     session_id=session_id, priority=priority)
+                                     session_id=session_id, priority=priority, grammar=grammar)
             except ValueError as e:
                 msg = str(e)
                 prefix = "prompt too long" if "context" in msg else "invalid request"
