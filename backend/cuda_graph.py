@@ -296,6 +296,72 @@ class CheckGraphs:
         g.replay()
         return guesses[:n].tolist(), h[self.mtp_last[:n]]
 
+    @torch.inference_mode()
+    def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
+                       stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0
+                       ) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """A speculate_mtp step of greedy sequences replayed back to back with one read back:
+        the check of a layout, the acceptance on the device (check_layout.greedy_lengths, then
+        counted_lengths with each sequence's length cap and stop ids), the commit of the counted
+        rows, the MTP block over them (`mtp`: the MTP graphs, whose buffers take this layout's
+        rows masked to the counted ones), then k - 1 times over one row a sequence: its output
+        at the last row and the guess from there, one position further (speculate_mtp's
+        `mtp_chain`; block_size: the KV blocks', for the rows' slots). Returns each sequence's
+        argmax rows [L], counted lengths and k MTP guesses."""
+        from volundr.check_layout import counted_lengths, greedy_lengths, kept_cu
+
+        n, L = len(lay["slots"]) // 2, self.L
+        size = self._fill(lay)
+        Tn, S = size * L, max(1, *map(len, stops))
+        pad = [-1] * S  # (padding sequences: cap 0, no stop ids)
+        lim = (caps + [0] * (size - n) + [i for t in stops for i in (list(t) + pad)[:S]]
+               + pad * (size - n))
+        lim = torch.tensor(lim).pin_memory().to(self.device, non_blocking=True)
+        g, gcm, logits, _, hidden = self.graphs[size]
+        g.replay()
+        a = logits[:Tn].argmax(dim=-1).view(size, L)
+        toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's n-gram window ends in its token)
+        lens = greedy_lengths(a, toks, self.cu[1:2 * size:2] - self.cu[0:2 * size:2])
+        lens = counted_lengths(a, lens, lim[:size], lim[size:].view(size, S))
+        cu = kept_cu(lens, L)
+        self.cu_commit[:2 * size + 1] = cu
+        gcm.replay()
+        live = (torch.arange(L, device=self.device) < lens[:, None]).flatten()
+        mtp.cu[:2 * size + 1] = cu
+        mtp.slot_mapping[:Tn] = torch.where(live, self.slot_mapping[:Tn], -1)
+        mtp.ctx[:Tn] = torch.where(live, self.ctx[:Tn], 1)
+        mtp.seq_tables[:size] = self.seq_tables[:size]
+        mtp.mtp_hidden[:Tn] = hidden[:Tn]
+        mtp.mtp_ids[:Tn] = a.flatten()  # row j is followed by the kept token j
+        mtp.mtp_last[:size] = (cu[1::2][:size] - 1).clamp(min=0)
+        mg, _, guesses, _, h = mtp.graphs[size]
+        mg.replay()
+        out = [guesses[:size].clone()]
+        # the chain's rows: row 0 of each sequence at position p + m + j - 1 (p = its first
+        # row's context - 1, m its counted tokens), padding sequences masked
+        first = torch.arange(size, device=self.device) * L
+        pos = torch.where(lens > 0, self.ctx[first] - 1 + lens, 0)
+        one = kept_cu((lens > 0).to(lens.dtype), L)
+        for _ in range(k - 1):
+            h_last = h[mtp.mtp_last[:size]]  # (before the buffers change)
+            slot = (self.seq_tables[torch.arange(size, device=self.device), pos // block_size]
+                    * block_size + pos % block_size)
+            mtp.cu[:2 * size + 1] = one
+            mtp.slot_mapping[:Tn] = -1
+            mtp.slot_mapping[first] = torch.where(lens > 0, slot.long(), -1)
+            mtp.ctx[:Tn] = 1
+            mtp.ctx[first] = torch.where(lens > 0, pos + 1, 1).to(mtp.ctx.dtype)
+            mtp.mtp_hidden[first] = h_last
+            mtp.mtp_ids[first] = out[-1]
+            mtp.mtp_last[:size] = first
+            mg.replay()
+            out.append(guesses[:size].clone())
+            pos = pos + 1
+        res = torch.cat([a[:n].flatten(), lens[:n], torch.stack(out, 1)[:n].flatten()]).tolist()
+        drafts = res[n * L + n:]
+        return ([res[i * L:(i + 1) * L] for i in range(n)], res[n * L:n * L + n],
+                [drafts[i * k:(i + 1) * k] for i in range(n)])
+
     def _fill(self, lay: dict[str, list]) -> int:
         """The static buffers of a layout's graph; returns its size (sequences)."""
         n = len(lay["slots"]) // 2

@@ -131,7 +131,6 @@ class ModelRunner:
                 warnings.warn(f"speculative checks run eagerly: {e}", stacklevel=2)
                 torch.cuda.empty_cache()
         self.mtp_graphs = None
-        self._greedy_step = None  # (volundr.greedy_mtp, made at its first use)
         if self.checks is not None and mtp_graphs and self.model.mtp is not None:
             try:
                 self.mtp_graphs = CheckGraphs(
@@ -444,19 +443,14 @@ class ModelRunner:
         """`check`, `commit` of the greedy kept tokens that count (caps[i] at most, up to the
         first of stops[i]) and `mtp` over them, then k - 1 times over its own output (the
         guesses after the first: speculate_mtp), as one replay of graphs
-        (volundr.greedy_mtp: each item's argmax rows, counted lengths, k MTP guesses); None
-        where the graphs do not take the batch."""
+        (CheckGraphs.run_greedy_mtp: each item's argmax rows, counted lengths, k MTP guesses);
+        None where the graphs do not take the batch."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
             return None
         self._init_states(batch)
         self.last_hidden = None
-        from volundr.greedy_mtp import GreedyMTPStep
-
-        step = self._greedy_step
-        if step is None or step.checks is not c or step.mtp is not m:
-            step = self._greedy_step = GreedyMTPStep(c, m, self.block_size)
-        return step.run(self.check_layout(batch, L), caps, stops, k)
+        return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops, k, self.block_size)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

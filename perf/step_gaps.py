@@ -37,8 +37,9 @@ def step_summary(trace: dict, gaps: int = 5) -> list[dict]:
     """Per `engine.step` range of a chrome trace: wall_us, gpu_busy_us, lead_us, tail_us and
     the `gaps` largest idle gaps between GPU activities (us, the names before / after)."""
     ev = trace["traceEvents"]
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev
-                   if e.get("name") == "engine.step" and e.get("ph") == "X")
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev  # (the host's range, not its
+                   if e.get("name") == "engine.step" and e.get("ph") == "X"  # GPU twin)
+                   and e.get("cat") == "user_annotation")
     gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in ev
                  if e.get("cat") in GPU_CATS and e.get("ph") == "X")
     out = []

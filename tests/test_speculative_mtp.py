@@ -303,7 +303,7 @@ class _Replay:
 def eager_graphs(monkeypatch, e: LLMEngine) -> None:
     """The check, commit and MTP graphs on the CPU: CheckGraphs with every "capture" replaced
     by a function that reruns the captured step and copies its results into the tensors the
-    capture returned, so that the graphs' buffer filling (`_fill`, `GreedyMTPStep.run`'s device
+    capture returned, so that the graphs' buffer filling (`_fill`, `run_greedy_mtp`'s device
     acceptance and masks) runs as on CUDA, in float32."""
     from volundr.cuda_graph import CheckGraphs
 
