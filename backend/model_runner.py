@@ -21,7 +21,7 @@ from volundr.check_layout import check_batch, check_layout
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
-from volundr.sampler import Sampler
+from volundr.sampler import Sampler, append_logprobs
 from volundr.scheduler import ScheduledSeq
 
 # Speculative checks captured as CUDA graphs for up to this many sequences (speculative decoding
@@ -317,7 +317,8 @@ class ModelRunner:
         already grown for every position): step j's input token is step j - 1's sampled token,
         fed on the device (the n-gram window shifts, positions advance), so the host enqueues
         all steps (graph replays when captured) and syncs once. Returns token ids
-        [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine.
+        [steps][len(batch)]; tokens after a sequence's stop are discarded by the engine
+        (their logprobs, for sequences asking, are appended as every step's).
         stop_ids (per sequence, its stop tokens): once a sequence samples one, its later steps
         read and write the scratch slot, so its own slot keeps the state of exactly the tokens
         the engine counts as computed (a session parks it). greedy: argmax whatever the
@@ -338,6 +339,7 @@ class ModelRunner:
                                     for row in pos for p, s in zip(row, seqs)], torch.long)
         ctx = self._to_device([p + 1 for row in pos for p in row], torch.int32)
         toks = torch.empty(steps, n, dtype=torch.long, device=self.device)
+        later: list = []  # logprobs, read back with the tokens
         for j in range(steps):
             if j:
                 b.slot_mapping = slot_map[(j - 1) * n:j * n]
@@ -353,10 +355,12 @@ class ModelRunner:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
             if logits is not None:  # rank 0 (tensor parallel: the others got None)
                 toks[j] = (logits.argmax(dim=1) if greedy
-                           else self.sampler.sample(logits, seqs, toks[:j]))
+                           else self.sampler.sample(logits, seqs, toks[:j], later))
             if self.tp.size > 1:  # the next step's input, which every rank's lookups read
                 dist.broadcast(toks[j], src=0)
-        return toks.tolist()
+        out = toks.tolist()
+        append_logprobs(later, seqs)  # (a sequence's entries past its stop: never emitted)
+        return out
 
     # ---- speculative checks (volundr.speculative; rows: volundr.check_layout) -------------
     def check_layout(self, batch: list[ScheduledSeq], L: int,

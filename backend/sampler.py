@@ -102,25 +102,36 @@ def seeded_noise(seq: Sequence, V: int, dev: torch.device) -> torch.Tensor:
     return torch.empty(V, device=dev).exponential_(generator=seq.generator)
 
 
-def record_logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence]) -> None:
+def record_logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence],
+                    later: list | None = None) -> None:
     """Appends to seq.logprobs, for each sequence asking (params.logprobs), the chosen token's
     log-probability under the model (log-softmax of its raw logits [M, V]: before penalties,
     temperature and filters, as vLLM reports them) and its params.logprobs most likely
     tokens'. ids [M]: the chosen tokens. A sequence may have several rows, in order (a
-    speculative check's kept tokens). (The engine keeps these sequences out of multi-step
-    decode.)"""
+    speculative check's kept tokens). later: a list that takes the values on the device
+    instead, for `append_logprobs` after the step's one read back (multi-step decode)."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return
     idx = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[idx].float(), dim=-1)
-    chosen = lp.gather(1, ids[idx].unsqueeze(1)).squeeze(1).tolist()
+    chosen = lp.gather(1, ids[idx].unsqueeze(1)).squeeze(1)
     k = max(seqs[i].params.logprobs for i in rows)
     top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_lp, top_id = top_lp.tolist(), top_id.tolist()
-    for r, i in enumerate(rows):
-        n = seqs[i].params.logprobs
-        seqs[i].logprobs.append((chosen[r], list(zip(top_id[r][:n], top_lp[r][:n]))))
+    if later is not None:
+        later.append((rows, chosen, top_lp, top_id))
+    else:
+        append_logprobs([(rows, chosen, top_lp, top_id)], seqs)
+
+
+def append_logprobs(recorded: list, seqs: list[Sequence]) -> None:
+    """The values `record_logprobs` left on the device, in the order they were recorded, onto
+    the sequences' logprobs."""
+    for rows, chosen, top_lp, top_id in recorded:
+        chosen, top_lp, top_id = chosen.tolist(), top_lp.tolist(), top_id.tolist()
+        for r, i in enumerate(rows):
+            n = seqs[i].params.logprobs
+            seqs[i].logprobs.append((chosen[r], list(zip(top_id[r][:n], top_lp[r][:n]))))
 
 
 def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -167,16 +178,17 @@ class Sampler:
         return self.sample(logits, seqs).tolist()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               recent: torch.Tensor | None = None) -> torch.Tensor:
+               recent: torch.Tensor | None = None, later: list | None = None) -> torch.Tensor:
         """As __call__, but the ids stay on the device ([M] long): multi-step decode feeds
         them to the next step without a host round trip (recent [j, M]: the ids of its
-        earlier steps, which the sequences do not hold yet; read by the penalties). Each
-        seeded sequence draws one row of noise per call from its own generator, so its tokens
-        do not depend on how the steps were grouped."""
+        earlier steps, which the sequences do not hold yet; read by the penalties; later: the
+        logprobs stay on the device too, `record_logprobs`). Each seeded sequence draws one
+        row of noise per call from its own generator, so its tokens do not depend on how the
+        steps were grouped."""
         raw = logits
         logits = mask_seqs(adjust_seqs(logits, seqs, recent), seqs)
         ids = self._choose(logits, seqs)
-        record_logprobs(raw, ids, seqs)
+        record_logprobs(raw, ids, seqs, later)
         return ids
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -99,10 +99,11 @@ class SamplingParams:
 
     @property
     def token_by_token(self) -> bool:
-        """Whether each token must be chosen on the host before the next is computed (logprobs
-        recorded per sampled token, a grammar's mask after each token): no multi-step decode
-        (speculative checks take part: they record logprobs and mask rows on the host)."""
-        return self.logprobs is not None or self.structured
+        """Whether each token must be chosen on the host before the next is computed (a
+        grammar's mask after each token): no multi-step decode (speculative checks take part:
+        they mask their rows on the host). Logprobs are not: multi-step decode keeps them on
+        the device until its read back."""
+        return self.structured
 
     @property
     def structured(self) -> bool:

@@ -196,13 +196,14 @@ def test_triton_inputs_and_checkpoint_defaults(tmp_path):
             parse_llm_request(get(**fields), 64, d)
 
 
-@pytest.mark.parametrize("drafter", ["self", "mtp"])
+@pytest.mark.parametrize("drafter", [None, "self", "mtp"])
 def test_logprobs_are_the_model_log_softmax(models, drafter):  # noqa: F811
     """logprobs=k: each new token's log-probability under the model's raw logits (the
     independent reference's log-softmax after the tokens before it, penalties not applied)
     and the k most likely tokens', sorted; 0: the token's alone; the requests speculate (a
-    drafter, the MTP head: each kept token's row of the check), stay out of multi-step decode
-    and give the tokens they give without logprobs."""
+    drafter, the MTP head: each kept token's row of the check) or, without one, take
+    multi-step decode (4 tokens a step, the values read back with them), and give the tokens
+    they give without logprobs."""
     cfg, sd = models["cfg"], models["sd"]
     prompt = prompts(1, seed=3)[0][:9]
     e = engine(models, drafter, decode_steps=4)
@@ -213,13 +214,18 @@ def test_logprobs_are_the_model_log_softmax(models, drafter):  # noqa: F811
     for rid, p, sp in reqs:
         e.add_request(p, sp, rid)
     ids = {r: [] for r, *_ in reqs}
+    most = 0  # tokens a request got from one step
     while e.has_unfinished():
         for o in e.step():
             ids[o.request_id] += o.new_token_ids
             assert o.new_logprobs is not None and len(o.new_logprobs) == len(o.new_token_ids)
             lps[o.request_id] += o.new_logprobs
+            most = max(most, len(o.new_token_ids))
     st = e.stats()  # (the self-drafter's guesses are kept at times; the random head's not)
-    assert st["spec_tokens"] > st["spec_seqs"] > 0 if drafter == "self" else st["spec_seqs"]
+    if drafter is None:
+        assert most == 4 and not st["spec_seqs"]  # multi-step decode
+    else:
+        assert st["spec_tokens"] > st["spec_seqs"] > 0 if drafter == "self" else st["spec_seqs"]
     plain, _, _ = run(engine(models), [(r, p, SamplingParams(**{
         **{f: getattr(sp, f) for f in sp.__dataclass_fields__}, "logprobs": None}))
         for r, p, sp in reqs])
