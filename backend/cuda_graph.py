@@ -362,6 +362,12 @@ class CheckGraphs:
         return ([res[i * L:(i + 1) * L] for i in range(n)], res[n * L:n * L + n],
                 [drafts[i * k:(i + 1) * k] for i in range(n)])
 
+    def logits_of(self, n: int) -> torch.Tensor:
+        """The logits of the last check of n sequences replayed ([n, L, V]: row j of sequence
+        i; valid until the next check)."""
+        logits = self.graphs[self._size(n)][2]
+        return logits[:n * self.L].view(n, self.L, -1)
+
     def _fill(self, lay: dict[str, list]) -> int:
         """The static buffers of a layout's graph; returns its size (sequences)."""
         n = len(lay["slots"]) // 2

@@ -193,15 +193,20 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
         else:
             toks = accept_sampled(logits[i, :1 + len(d)], d, s, target.sampler.generator)
         out.append(toks[:counted(s, toks)])
-    # logprobs of the tokens that count, each from its row's raw logits (as Sampler.sample)
-    lp_rows = [(i, j) for i, s in enumerate(seqs) if s.params.logprobs is not None
-            for j in range(len(out[i]))]
-    if lp_rows:
-        seq_at, row_at = (torch.tensor(x, device=logits.device) for x in zip(*lp_rows))
-        record_logprobs(raw[seq_at, row_at],
-                        torch.tensor([out[a][b] for a, b in lp_rows], device=logits.device),
-                        [seqs[a] for a, _ in lp_rows])
+    kept_logprobs(raw, seqs, out)
     return out
+
+
+def kept_logprobs(raw: torch.Tensor, seqs: list[Sequence], out: list[list[int]]) -> None:
+    """Records the logprobs (params.logprobs) of the tokens that count, out[i][j] from its row
+    raw[i, j] of the check's logits [n, >= len(out[i]), V] (as Sampler.sample does)."""
+    lp_rows = [(i, j) for i, s in enumerate(seqs) if s.params.logprobs is not None
+               for j in range(len(out[i]))]
+    if lp_rows:
+        seq_at, row_at = (torch.tensor(x, device=raw.device) for x in zip(*lp_rows))
+        record_logprobs(raw[seq_at, row_at],
+                        torch.tensor([out[a][b] for a, b in lp_rows], device=raw.device),
+                        [seqs[a] for a, _ in lp_rows])
 
 
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
@@ -274,15 +279,17 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
     L = k + 1
     if limits is not None and all(s.params.greedy and not s.params.adjusts_logits
-                                  and s.grammar is None and s.params.logprobs is None
-                                  for s in seqs):
+                                  and s.grammar is None for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)
         if fused is not None:
             for s, guesses in zip(seqs, fused[2]):
                 s.mtp_drafts = guesses
-            return [a[:m] for a, m in zip(fused[0], fused[1])]
+            out = [a[:m] for a, m in zip(fused[0], fused[1])]
+            if any(s.params.logprobs is not None for s in seqs):  # (the check's logits rows)
+                kept_logprobs(target.checks.logits_of(len(seqs)), seqs, out)
+            return out
     with _appended(seqs, drafts):
         logits = target.check(items, L)
     hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on

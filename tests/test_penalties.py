@@ -196,18 +196,28 @@ def test_triton_inputs_and_checkpoint_defaults(tmp_path):
             parse_llm_request(get(**fields), 64, d)
 
 
-@pytest.mark.parametrize("drafter", [None, "self", "mtp"])
-def test_logprobs_are_the_model_log_softmax(models, drafter):  # noqa: F811
+@pytest.mark.parametrize("drafter", [None, "self", "mtp", "mtp-graphs"])
+def test_logprobs_are_the_model_log_softmax(models, drafter, monkeypatch):  # noqa: F811
     """logprobs=k: each new token's log-probability under the model's raw logits (the
     independent reference's log-softmax after the tokens before it, penalties not applied)
     and the k most likely tokens', sorted; 0: the token's alone; the requests speculate (a
-    drafter, the MTP head: each kept token's row of the check) or, without one, take
-    multi-step decode (4 tokens a step, the values read back with them), and give the tokens
-    they give without logprobs."""
+    drafter, the MTP head: each kept token's row of the check; its one-replay greedy step
+    through the graphs' paths on the CPU, eager_graphs) or, without one, take multi-step
+    decode (4 tokens a step, the values read back with them), and give the tokens they give
+    without logprobs."""
+    from test_speculative_mtp import eager_graphs
+
     cfg, sd = models["cfg"], models["sd"]
     prompt = prompts(1, seed=3)[0][:9]
-    e = engine(models, drafter, decode_steps=4)
-    reqs = [("k", prompt, greedy(6, ignore_eos=True, logprobs=3, **PEN)),
+    e = engine(models, drafter and drafter[:3] if drafter == "mtp-graphs" else drafter,
+               decode_steps=4)
+    fused = []
+    if drafter == "mtp-graphs":
+        eager_graphs(monkeypatch, e)
+        real = e.runner.check_greedy_mtp
+        e.runner.check_greedy_mtp = lambda *a: fused.append(real(*a)) or fused[-1]
+    pen = {} if drafter == "mtp-graphs" else PEN  # (the one replay: greedy and plain)
+    reqs = [("k", prompt, greedy(12, ignore_eos=True, logprobs=3, **pen)),
             ("z", prompt, SamplingParams(max_tokens=5, temperature=0.9, seed=4, logprobs=0,
                                          ignore_eos=True))]
     lps: dict[str, list] = {r: [] for r, *_ in reqs}
@@ -224,6 +234,8 @@ def test_logprobs_are_the_model_log_softmax(models, drafter):  # noqa: F811
     st = e.stats()  # (the self-drafter's guesses are kept at times; the random head's not)
     if drafter is None:
         assert most == 4 and not st["spec_seqs"]  # multi-step decode
+    elif drafter == "mtp-graphs":  # (the greedy request's steps alone: the one replay)
+        assert st["spec_seqs"] and any(f is not None for f in fused)
     else:
         assert st["spec_tokens"] > st["spec_seqs"] > 0 if drafter == "self" else st["spec_seqs"]
     plain, _, _ = run(engine(models), [(r, p, SamplingParams(**{
