@@ -205,3 +205,54 @@ def test_client_disconnect_aborts_sequence_and_frees_blocks(serving):
     assert after["num_blocks_free"] == after["num_blocks_total"], after
     assert after["num_slots_free"] == after["num_slots_total"], after
     assert time.monotonic() - t0 < 10  # aborted, not run to its 1500 tokens
+
+
+def prometheus(text: str, name: str, **labels: str) -> float | None:
+    """The sum of a metric's samples whose labels include `labels` (None: no sample)."""
+    total = None
+    for line in text.splitlines():
+        m = re.fullmatch(r"([^\s{]+)(?:\{(.*)\})?\s+(\S+)", line)
+        if m is None or line.startswith("#") or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(m.group(3))
+    return total
+
+
+def test_engine_metrics_on_the_metrics_port(serving):
+    """volundr_llm's engine metrics join Triton's at its metrics port: one request of 4 prompt
+    tokens and 6 generated ones moves the token counters by exactly that, counts one
+    "length" success and one observation of each latency histogram; the gauges are there."""
+    url = f"http://127.0.0.1:{serving.metrics_port}/metrics"
+    lab = dict(model="volundr_llm", version="1")
+    names = ["volundr:prompt_tokens_total", "volundr:generation_tokens_total",
+             "volundr:time_to_first_token_seconds_count",
+             "volundr:time_per_output_token_seconds_count",
+             "volundr:e2e_request_latency_seconds_count"]
+
+    def read() -> tuple[str, list[float]]:
+        text = httpx.get(url, timeout=10).text
+        return text, [prometheus(text, n, **lab) or 0.0 for n in names]
+
+    text, before = read()
+    ok0 = prometheus(text, "volundr:request_success_total", finish_reason="length", **lab) or 0
+    got = grpc_stream(serving.grpc_url, "volundr_llm", VolundrTriton.inputs(
+        input_ids=[20, 21, 22, 23], max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert got[-1].as_numpy("num_output_tokens").reshape(-1)[0] == 6
+    deadline = time.monotonic() + 10
+    while True:  # (the counters move on the engine's thread as the reply goes out)
+        text, after = read()
+        delta = [a - b for a, b in zip(after, before)]
+        if delta == [4, 6, 1, 1, 1] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert delta == [4, 6, 1, 1, 1], dict(zip(names, delta))
+    assert prometheus(text, "volundr:request_success_total", finish_reason="length",
+                      **lab) == ok0 + 1
+    for gauge in ("volundr:num_requests_running", "volundr:num_requests_waiting",
+                  "volundr:num_requests_active"):
+        assert prometheus(text, gauge, **lab) is not None, gauge
+    assert 0.0 <= prometheus(text, "volundr:kv_cache_usage_perc", **lab) <= 1.0
+    assert prometheus(text, "volundr:spec_tokens_total", **lab) is not None
+    assert "nv_inference_request_success" in text  # (Triton's own beside them)

@@ -137,16 +137,22 @@ class _Active:
     triton_id: str
     stream: RequestStream
     sink: Sink
+    t_arrival: float = 0.0  # (monotonic: submit's)
+    t_first: float | None = None  # its first token's
 
 
 class EngineLoop:
     """Owns the LLM on one thread. `submit`, `abort` and `stats` may be called from any thread."""
 
-    def __init__(self, llm, idle_wait_s: float = 0.5, max_in_flight: int | None = None):
+    def __init__(self, llm, idle_wait_s: float = 0.5, max_in_flight: int | None = None,
+                 metrics=None):
         """max_in_flight: backpressure; a request arriving while that many are running or
         waiting is refused at once ("server busy") instead of queueing without bound (Triton
-        2.51 has no ensemble `max_inflight_requests`)."""
+        2.51 has no ensemble `max_inflight_requests`). metrics: volundr.serve.metrics's
+        EngineMetrics (in Triton), told of each request's end and the engine's state."""
         self.llm = llm
+        self.metrics = metrics
+        self._metrics_at = 0.0
         self.max_in_flight = max_in_flight
         self.boundary = Utf8Boundary(llm.tokenizer)
         self.idle_wait_s = idle_wait_s
@@ -177,7 +183,7 @@ class EngineLoop:
             sink.error(f"invalid request: {e}")
             return
         self._q.put(("add", triton_id, prompt_ids, params, tuple(stops), stream, sink,
-                     session_id, priority, grammar))
+                     session_id, priority, grammar, time.monotonic()))
 
     def abort(self, triton_id: str, reply: Callable[[dict], None]) -> None:
         """Abort every running request with this Triton request id; reply with the stats after."""
@@ -201,7 +207,8 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, tid, prompt_ids, params, stops, stream, sink, session_id, priority, grammar = cmd
+            (_, tid, prompt_ids, params, stops, stream, sink, session_id, priority, grammar,
+             t_arrival) = cmd
             if tid and self._tombstones.pop(tid, None) is not None:
                 rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
                 self._send(_Active(tid, rs, sink), rs.push([], "abort"), final=True)
@@ -220,7 +227,7 @@ class EngineLoop:
                 sink.error(f"{prefix}: {msg}")
                 return
             rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
-            self._active[rid] = _Active(tid, rs, sink)
+            self._active[rid] = _Active(tid, rs, sink, t_arrival)
         elif kind == "abort":
             _, tid, reply = cmd
             hits = [rid for rid, a in self._active.items() if tid and a.triton_id == tid]
@@ -243,7 +250,20 @@ class EngineLoop:
         self.llm.abort(rid)
         a = self._active.pop(rid)
         chunk = a.stream.push([], reason)
+        self._ended(a, reason)
         self._send(a, chunk, final=True)
+
+    def _ended(self, a: _Active, reason: str) -> None:
+        if self.metrics is not None:
+            s = a.stream
+            self._metric(self.metrics.finished, s.num_input_tokens, s.num_output_tokens,
+                         s.num_cached_tokens, reason, a.t_arrival, a.t_first, time.monotonic())
+
+    def _metric(self, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # (metrics must not fail requests)
+            log.warning("volundr_llm: updating a metric failed: %s", e)
 
     def _send(self, a: _Active, chunk: Chunk | None, final: bool) -> None:
         if chunk is None:
@@ -262,6 +282,8 @@ class EngineLoop:
             a = self._active.get(out.request_id)
             if a is None:
                 continue
+            if out.new_token_ids and a.t_first is None:
+                a.t_first = time.monotonic()
             chunk = a.stream.push(out.new_token_ids, out.finish_reason if out.finished else None,
                                   out.num_output_tokens, out.num_cached_tokens,
                                   out.new_logprobs)
@@ -270,6 +292,8 @@ class EngineLoop:
                 self.llm.abort(out.request_id)  # a stop string: free the sequence now
             if done:
                 self._active.pop(out.request_id, None)
+                self._ended(a, (chunk.finish_reason if chunk is not None else "")
+                            or out.finish_reason or "stop")
             self._send(a, chunk, final=done)
 
     def _drain(self) -> None:
@@ -284,8 +308,16 @@ class EngineLoop:
             del cmd
             timeout = None
 
+    def _observe(self) -> None:
+        """The engine's gauges, about once a second."""
+        now = time.monotonic()
+        if self.metrics is not None and now - self._metrics_at >= 1.0:
+            self._metrics_at = now
+            self._metric(self.metrics.engine, self.llm.stats(), len(self._active))
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._observe()
             self._drain()
             try:
                 self._step()

@@ -3,7 +3,8 @@
 `execute` only parses and enqueues; the engine runs on one background thread (EngineLoop, in
 volundr.serve.triton_llm) that streams responses through each request's response_sender as tokens
 come, polls cancellation every step and aborts cancelled sequences. The last response of a
-request carries TRITONSERVER_RESPONSE_COMPLETE_FINAL.
+request carries TRITONSERVER_RESPONSE_COMPLETE_FINAL. The engine's metrics (volundr.serve.metrics)
+join Triton's own at its metrics endpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from volundr.serve.llm_inputs import generation_defaults, parse_control, parse_llm_request
+from volundr.serve.metrics import EngineMetrics
 from volundr.serve.repo import model_parameters, resolve_model_dir
 from volundr.serve.triton_llm import Chunk, EngineLoop, llm_kwargs, logprobs_json
 
@@ -68,8 +70,11 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(params.get("model_dir", ""))
         self.llm = LLM(model_dir, **llm_kwargs(params))
         self.defaults = generation_defaults(self.llm.model_dir)
+        self.metrics = EngineMetrics(pb_utils.MetricFamily, {
+            "model": args["model_name"], "version": args["model_version"]})
         self.loop = EngineLoop(self.llm,
-                               max_in_flight=int(params.get("max_inflight") or 0) or None).start()
+                               max_in_flight=int(params.get("max_inflight") or 0) or None,
+                               metrics=self.metrics).start()
         pb_utils.Logger.log_info(f"volundr_llm: {self.llm.model_dir} on "
                                  f"{self.llm.engine.ecfg.device}, context "
                                  f"{self.llm.max_model_len}, KV cache "
@@ -105,5 +110,6 @@ class TritonPythonModel:
     def finalize(self) -> None:
         pb_utils.Logger.log_info("volundr_llm: stopping the engine thread")
         self.loop.shutdown()
+        self.loop.metrics = self.metrics = None  # (metrics before their families)
         self.llm.close()  # stops tensor-parallel workers, if any
         pb_utils.Logger.log_info("volundr_llm: engine thread stopped")
