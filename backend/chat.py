@@ -293,13 +293,21 @@ def _think_left_open(text: str) -> bool:
 
 def render_chat(template: str, messages: list[dict], tools: list | None = None,
                 add_generation_prompt: bool = True, tool_choice: Any = None,
-                **kwargs: Any) -> str:
+                continue_final_message: bool = False, **kwargs: Any) -> str:
     """The prompt text for `messages` (extra template variables, e.g. enable_thinking=False,
     go through **kwargs). A `tool_choice` that forces a call appends its forced_tool_prefix
-    after the generation prompt."""
+    after the generation prompt. continue_final_message (vLLM's; add_generation_prompt
+    False): the prompt ends right after the final message's content, an assistant message
+    the reply continues (a prefill: "The answer is")."""
     msgs = validate_messages(messages)
     tl = validate_tools(tools)
     validate_tool_choice(tool_choice, tl)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"]:
+            raise ValueError("continue_final_message needs a final assistant message with "
+                             "content")
     from jinja2 import TemplateError
 
     def render(gen: bool) -> str:
@@ -310,6 +318,14 @@ def render_chat(template: str, messages: list[dict], tools: list | None = None,
             raise ValueError(f"chat template failed: {e}") from None
 
     prompt = render(add_generation_prompt)
+    if continue_final_message:  # cut after the content (the template may strip its ends)
+        text = msgs[-1]["content"]
+        at, text = next(((prompt.rfind(t), t) for t in (text, text.strip())
+                         if t and prompt.rfind(t) >= 0), (-1, text))
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not render the "
+                             "final message's content")
+        return prompt[:at + len(text)]
     prefix = forced_tool_prefix(tool_choice) if add_generation_prompt else ""
     if prefix:
         # A generation prompt that opens <think> (templates served with the proxy's

@@ -194,6 +194,9 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = None  # False: at most one call comes back (as vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
     top_logprobs: int | None = None
+    # vLLM's: the reply continues the final (assistant) message instead of opening a new one
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def num_logprobs(self) -> int | None:
         """Chat: `logprobs` true, with `top_logprobs` (0-20) alternatives per token."""
@@ -237,6 +240,10 @@ class ChatRequest(_Common):
             kw["tool_choice"] = forced
         if any(self.structured_outputs()):  # the reply is the form from its first token
             kw.setdefault("enable_thinking", False)
+        if not self.add_generation_prompt:
+            kw["add_generation_prompt"] = False
+        if self.continue_final_message:
+            kw["continue_final_message"] = True
         return kw or None
 
     def check(self) -> None:
@@ -249,6 +256,17 @@ class ChatRequest(_Common):
             raise APIError(400, "response_format / structured_outputs cannot be combined with "
                            "a tool_choice that forces a call (the call has its own grammar)",
                            param="response_format")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError(400, "continue_final_message needs add_generation_prompt "
+                               "false", param="continue_final_message")
+            last = self.messages[-1]
+            if not isinstance(last, dict) or last.get("role") != "assistant":
+                raise APIError(400, "continue_final_message needs a final assistant message",
+                               param="messages")
+        if not self.add_generation_prompt and self.forced_tool_choice() is not None:
+            raise APIError(400, "a tool_choice that forces a call needs add_generation_prompt "
+                           "(the call opens the reply)", param="tool_choice")
 
 
 class CompletionRequest(_Common):

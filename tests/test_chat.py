@@ -255,3 +255,20 @@ def test_forced_arguments_whole_and_streamed(text, args, closed):
             assert now.startswith(sent), (step, now, sent)
             sent = now
         assert a.arguments(final=True) == args and a.closed == closed, step
+
+
+def test_continue_final_message(template):
+    """vLLM's continue_final_message: the prompt ends right after the final assistant
+    message's content (the reply continues it); it needs add_generation_prompt false and a
+    final assistant message with content."""
+    msgs = [{"role": "user", "content": "Name a metal."},
+            {"role": "assistant", "content": "The best metal is"}]
+    out = render_chat(template, msgs, add_generation_prompt=False, continue_final_message=True)
+    whole = render_chat(template, msgs, add_generation_prompt=False)
+    assert out.endswith("The best metal is") and whole.startswith(out) and len(whole) > len(out)
+    assert "<|im_start|>assistant\n" in out[-40:]
+    with pytest.raises(ValueError, match="add_generation_prompt false"):
+        render_chat(template, msgs, continue_final_message=True)
+    with pytest.raises(ValueError, match="final assistant message"):
+        render_chat(template, msgs[:1], add_generation_prompt=False,
+                    continue_final_message=True)

@@ -605,3 +605,30 @@ def test_n_choices_all_aborted_when_the_client_goes(serving, client):
     assert time.monotonic() - t0 < 5
     ok = client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=2, n=2)
     assert len(ok.choices) == 2
+
+
+def test_continue_final_message(client, tiny_dir):
+    """vLLM's continue_final_message (with add_generation_prompt false): the reply continues
+    the final assistant message: the same tokens as a completion of the prompt rendered up to
+    that message's content; without add_generation_prompt false, or without a final assistant
+    message, a 400."""
+    from volundr.chat import load_chat_template, render_chat
+
+    msgs = MESSAGES + [{"role": "assistant", "content": "Volundr was a smith who"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model="volundr", messages=msgs, max_tokens=12,
+                                       temperature=0.0, extra_body=extra)
+    prompt = render_chat(load_chat_template(tiny_dir), msgs, add_generation_prompt=False,
+                         continue_final_message=True)
+    assert prompt.endswith("Volundr was a smith who")
+    c = client.completions.create(model="volundr", prompt=prompt, max_tokens=12,
+                                  temperature=0.0)
+    assert r.choices[0].message.content == c.choices[0].text
+    assert r.usage.prompt_tokens == c.usage.prompt_tokens
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"continue_final_message": True, "add_generation_prompt": False,
+                          "messages": MESSAGES}, "messages")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="volundr", messages=msgs, max_tokens=4,
+                                           extra_body=body)
+        assert e.value.param == param

@@ -75,20 +75,25 @@ class TritonPythonModel:
                              "send text_input")
         tools = _json(request, "tools", list)
         kwargs = _json(request, "chat_template_kwargs", dict) or {}
-        kwargs.pop("add_generation_prompt", None)
+        # (vLLM's add_generation_prompt / continue_final_message travel here too: render
+        # arguments, not template variables)
+        gen = kwargs.pop("add_generation_prompt", True) is not False
+        cont = kwargs.pop("continue_final_message", False) is True
         # Not a template variable: a tool_choice that forces a call pre-fills its opening
         # after the generation prompt (volundr.chat.forced_tool_prefix; the OpenAI proxy sends
         # it here and reads the reply as continuing it).
         tool_choice = kwargs.pop("tool_choice", None)
         try:
             prompt = render_chat(self.template, messages, tools=tools or None,
-                                 tool_choice=tool_choice, **kwargs)
+                                 tool_choice=tool_choice, add_generation_prompt=gen,
+                                 continue_final_message=cont, **kwargs)
             calls = tool_call_grammar(tools, tool_choice, self.specials)
             if calls and (grammar or schema is not None):
                 raise ValueError("grammar / json_schema cannot be combined with a tool_choice "
                                  "that forces a call or strict tools (the calls have theirs)")
             # thinking on (the template's default): the reasoning first, then the value
-            think = kwargs.get("enable_thinking", True) is not False
+            # (not when the reply continues a message)
+            think = kwargs.get("enable_thinking", True) is not False and gen
             return prompt, grammar or calls or self._json_grammar(schema, think)
         except ValueError as e:
             raise ValueError(f"invalid request: {e}") from None
