@@ -91,7 +91,7 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
               "logit_bias": json.dumps(req.logit_bias) if req.logit_bias else None,
               "top_logprobs": req.num_logprobs(),
               "ignore_eos": req.ignore_eos or None, "stream": req.stream,
-              "priority": req.priority}
+              "priority": req.priority, "stop_token_ids": req.stop_token_ids or None}
     fields["json_schema"], fields["grammar"] = req.structured_outputs()
     if isinstance(req, ChatRequest):
         fields["messages"] = json.dumps(req.messages, ensure_ascii=False)

@@ -68,6 +68,8 @@ class _Common(BaseModel):
     logprobs: bool | int | None = None
     # vLLM's extension: waiting requests are admitted lower values first
     priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
+    # vLLM's: token ids that end the reply as the end-of-sequence token does (not emitted)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
 
     @field_validator("n", "stream", "ignore_eos", mode="before")
     @classmethod
@@ -92,6 +94,9 @@ class _Common(BaseModel):
                 raise APIError(400, "logit_bias maps token ids to biases in [-100, 100], got "
                                f"{k!r}: {v!r}", param="logit_bias")
         self.structured_outputs()
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids or ()):
+            raise APIError(400, "stop_token_ids must be token ids (>= 0)",
+                           param="stop_token_ids")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")

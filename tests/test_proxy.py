@@ -632,3 +632,22 @@ def test_continue_final_message(client, tiny_dir):
             client.chat.completions.create(model="volundr", messages=msgs, max_tokens=4,
                                            extra_body=body)
         assert e.value.param == param
+
+
+def test_stop_token_ids(client):
+    """vLLM's stop_token_ids: a token among them ends the reply ("stop") and is not in its
+    text (here the only token a +100 logit_bias lets the model choose); a negative id is a
+    400."""
+    kw = dict(model="volundr", messages=MESSAGES, max_tokens=8, temperature=0.0,
+              logit_bias={"300": 100})
+    free = client.chat.completions.create(**kw)
+    assert free.choices[0].finish_reason == "length" and free.choices[0].message.content
+    r = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [7, 300]})
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.content
+    c = client.completions.create(model="volundr", prompt="The forge", max_tokens=8,
+                                  temperature=0.0, logit_bias={"300": 100},
+                                  extra_body={"stop_token_ids": [300]})
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].text == ""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"stop_token_ids": [-1]})
+    assert e.value.param == "stop_token_ids"
