@@ -225,6 +225,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, ids, params)
+        seq.stop_ids = self._stop_ids(seq)
         if params.structured:
             if self.grammars is None:
                 raise ValueError("structured output: this engine has no tokenizer for grammars")

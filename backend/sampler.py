@@ -4,8 +4,9 @@ min-p, seeds.
 Sampling uses the exponential-race form of the Gumbel trick: token = argmax(p_i / E_i) with
 E_i ~ Exp(1). A seeded request draws its E from its own generator, one row per step, so its
 tokens do not depend on which other requests share the batch. Penalties and logit_bias change
-the logits first, greedy requests' too; then a structured request's grammar masks every id
-that would break its form (volundr.structured).
+the logits first, greedy requests' too, and min_tokens masks the stop ids while too few tokens
+are out; then a structured request's grammar masks every id that would break its form
+(volundr.structured).
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def _count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tenso
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-                  prompts: list[list[int]], recent: torch.Tensor | None = None) -> torch.Tensor:
+                  prompts: list[list[int]], recent: torch.Tensor | None = None,
+                  generated: list[int] | None = None,
+                  stop_ids: list[tuple[int, ...]] | None = None) -> torch.Tensor:
     """logits [M, V] with each row's penalties (`apply_penalties`) and then its logit_bias
-    applied (rows with neither are returned as they are, and logits itself when no row has
-    any). outputs[i]: the tokens row i has generated so far; prompts[i]: its prompt's (read
-    for a repetition penalty only); recent [j, M] long: tokens generated on the device after
-    outputs (multi-step decode)."""
+    applied, and its stop_ids[i] masked out (-inf) while it has generated fewer than its
+    min_tokens (rows with none of these are returned as they are, and logits itself when no
+    row has any). outputs[i]: the tokens row i has generated so far (read for the penalties);
+    prompts[i]: its prompt's (read for a repetition penalty only); recent [j, M] long: tokens
+    generated on the device after them (multi-step decode); generated[i]: how many tokens
+    row i has generated before recent's (read for min_tokens)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
@@ -75,6 +80,13 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: l
         r, t, b = zip(*bias)
         sub.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
                        torch.tensor(b, device=dev), accumulate=True)
+    j = 0 if recent is None else recent.shape[0]
+    early = [(k, t) for k, i in enumerate(rows) if generated is not None
+             and generated[i] + j < params[i].min_tokens for t in stop_ids[i]
+             if 0 <= t < V]
+    if early:  # (after the bias: a +100 on a stop token must not undo it)
+        r, t = zip(*early)
+        sub[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
     return logits.index_copy(0, idx, sub.to(logits.dtype))
 
 
@@ -83,14 +95,17 @@ def adjust_seqs(logits: torch.Tensor, seqs: list[Sequence],
                 extra: list[list[int]] | None = None) -> torch.Tensor:
     """`adjust_logits` with row i = seqs[i] (its output and prompt tokens as the engine holds
     them, and extra[i] after its output: tokens it is assumed to have generated, a check's
-    guesses)."""
+    guesses; its stop ids, seq.stop_ids)."""
     if not any(s.params.adjusts_logits for s in seqs):
         return logits
     outs = [s.output_token_ids + (extra[i] if extra else []) if s.params.penalized else []
             for i, s in enumerate(seqs)]
     prompts = [s.token_ids[:s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else []
                for s in seqs]
-    return adjust_logits(logits, [s.params for s in seqs], outs, prompts, recent)
+    generated = [s.num_output_tokens + (len(extra[i]) if extra else 0)
+                 for i, s in enumerate(seqs)]
+    return adjust_logits(logits, [s.params for s in seqs], outs, prompts, recent, generated,
+                         [s.stop_ids for s in seqs])
 
 
 def seeded_noise(seq: Sequence, V: int, dev: torch.device) -> torch.Tensor:

@@ -20,6 +20,9 @@ class SamplingParams:
     seed: int | None = None  # same seed -> same ids, alone or batched
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's: the stop tokens (end of sequence, stop_token_ids) are masked out of the logits
+    # until this many tokens have been generated
+    min_tokens: int = 0
     # OpenAI's penalties on the tokens generated so far: logit -= presence (if generated at all)
     # + frequency * count; and the repetition penalty (vLLM / Hugging Face) on every token of
     # the prompt or the output: a positive logit divided by it, a negative one multiplied.
@@ -77,6 +80,11 @@ class SamplingParams:
                 raise ValueError("give json_schema or grammar, not both")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise ValueError("grammar must be a non-empty string")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens "
+                             f"({self.max_tokens}), got {self.min_tokens!r}")
+        if self.min_tokens and self.structured:  # (a finished form allows the stop alone)
+            raise ValueError("min_tokens cannot be combined with json_schema or grammar")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -95,7 +103,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes the model's logits (penalties, logit_bias) before
         choosing, greedy included (volundr.sampler.adjust_logits)."""
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def token_by_token(self) -> bool:

@@ -37,6 +37,8 @@ class Sequence:
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         # params.json_schema's llguidance matcher (volundr.structured), fed each token appended
         self.grammar = None
+        # the tokens that end it (the engine adds its end-of-sequence ids); min_tokens masks them
+        self.stop_ids: tuple[int, ...] = params.stop_token_ids
         self.num_preemptions = 0
         # Precomputed input embeddings (e.g. image patches): prompt position -> [hidden] vector,
         # used instead of the token's embedding row.

@@ -58,7 +58,8 @@ class ProxyConfig:
 # Request fields that the server's 400 messages start with (preprocessing, the engine).
 ERROR_PARAMS = {"messages", "tools", "tool_choice", "stop", "chat_template_kwargs", "max_tokens",
                 "seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "grammar"}
+                "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "grammar",
+                "min_tokens", "stop_token_ids"}
 
 
 def triton_error(e: Exception) -> APIError:
@@ -91,7 +92,8 @@ def _tensors(req: ChatRequest | CompletionRequest) -> dict:
               "logit_bias": json.dumps(req.logit_bias) if req.logit_bias else None,
               "top_logprobs": req.num_logprobs(),
               "ignore_eos": req.ignore_eos or None, "stream": req.stream,
-              "priority": req.priority, "stop_token_ids": req.stop_token_ids or None}
+              "priority": req.priority, "stop_token_ids": req.stop_token_ids or None,
+              "min_tokens": req.min_tokens or None}
     fields["json_schema"], fields["grammar"] = req.structured_outputs()
     if isinstance(req, ChatRequest):
         fields["messages"] = json.dumps(req.messages, ensure_ascii=False)

@@ -70,6 +70,8 @@ class _Common(BaseModel):
     priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
     # vLLM's: token ids that end the reply as the end-of-sequence token does (not emitted)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # vLLM's: no end-of-sequence or stop_token_ids token before this many tokens
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
 
     @field_validator("n", "stream", "ignore_eos", mode="before")
     @classmethod

@@ -33,6 +33,7 @@ _TYPES = {"text_input": "BYTES", "messages": "BYTES", "tools": "BYTES",
           "abort_request_id": "BYTES", "close_session_id": "BYTES", "max_tokens": "INT32",
           "top_k": "INT32",
           "priority": "INT32", "stop_token_ids": "INT32", "input_ids": "INT32",
+          "min_tokens": "INT32",
           "temperature": "FP32", "top_p": "FP32", "min_p": "FP32", "seed": "INT64",
           "presence_penalty": "FP32", "frequency_penalty": "FP32", "repetition_penalty": "FP32",
           "random_seed": "UINT64", "ignore_eos": "BOOL", "stream": "BOOL", "return_stats": "BOOL"}

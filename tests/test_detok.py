@@ -22,10 +22,11 @@ def tok(tiny_dir) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
 
 
-def run_stream(tok, ids_per_step, stops=(), stream=True, final="length"):
+def run_stream(tok, ids_per_step, stops=(), stream=True, final="length", min_tokens=0):
     """Feeds steps of ids through a RequestStream; returns (chunks, deltas as postprocessing
     makes them, with trim_chars applied)."""
-    rs = RequestStream(Utf8Boundary(tok), stops, stream, num_input_tokens=3)
+    rs = RequestStream(Utf8Boundary(tok), stops, stream, num_input_tokens=3,
+                       min_tokens=min_tokens)
     chunks = []
     for step in ids_per_step:
         c = rs.push(step, None)
@@ -107,6 +108,18 @@ def test_stop_strings_never_emitted(tok, stops, expected):
         assert len(chunks) == 1 or stream
         # Nothing past the stop string went out before the last chunk either.
         assert all(not any(s in d for s in stops) for d in deltas)
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    """With min_tokens (vLLM's rule), a stop string in the first min_tokens tokens' text does
+    not end the reply; one after them does."""
+    text = "END one two END three"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    first = len(tok.encode("END one", add_special_tokens=False).ids)
+    chunks, deltas = run_stream(tok, [[i] for i in ids], stops=["END"], min_tokens=first)
+    assert "".join(deltas) == "END one two " and chunks[-1].finish_reason == "stop"
+    _, deltas = run_stream(tok, [[i] for i in ids], stops=["END"])
+    assert "".join(deltas) == ""
 
 
 def test_partial_stop_is_released_at_the_end(tok):

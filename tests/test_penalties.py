@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference_model import reference_logits
-from test_speculative import engine, greedy, models, prompts, run  # noqa: F401 (a fixture)
+from test_speculative import EOS, engine, greedy, models, prompts, run  # noqa: F401 (a fixture)
 
 from volundr.sampler import adjust_logits
 from volundr.sampling_params import SamplingParams
@@ -144,6 +144,46 @@ def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa:
         assert graphs or got["s"] == alone["s"], drafter
         if drafter is not None:
             assert e.stats()["spec_steps"] > 0
+
+
+def test_min_tokens_in_every_path(models, monkeypatch):  # noqa: F811
+    """min_tokens (vLLM's): with a +100 bias on an end-of-sequence id (greedy: it would come
+    first), the stop ids are masked until min_tokens tokens are out, then the EOS ends the
+    request ("stop", not emitted): the first tokens are the reference model's argmax without
+    the stop ids; a stop_token_ids id is held back alike. Plain decode, multi-step decode (4
+    tokens a step on the device), a drafter, the MTP head (2 guesses a step, with its graphs'
+    paths on the CPU too) and a seeded sampled request beside them give the same."""
+    from test_speculative_mtp import eager_graphs
+
+    cfg, sd = models["cfg"], models["sd"]
+    ps = prompts(2, seed=9)
+    stop = 17
+    reqs = [("e", ps[0], greedy(20, min_tokens=5, logit_bias={EOS[0]: 100})),
+            ("t", ps[1], greedy(20, min_tokens=3, ignore_eos=True, stop_token_ids=(stop,),
+                                logit_bias={stop: 100})),
+            ("s", ps[1], SamplingParams(max_tokens=20, temperature=0.9, seed=3, min_tokens=4,
+                                        logit_bias={EOS[1]: 100}))]
+    want, reasons, _ = run(engine(models), reqs)
+    assert reasons == {"e": "stop", "t": "stop", "s": "stop"}
+    assert [len(want[r]) for r in "ets"] == [5, 3, 4]
+    for rid, p, _ in reqs[:2]:  # greedy: the argmax with the stop ids masked
+        banned = set(EOS) if rid == "e" else {stop}
+        for t, tok in enumerate(want[rid]):
+            row = reference_logits(cfg, sd, p + want[rid][:t])[-1].clone()
+            row[list(banned)] = float("-inf")
+            assert tok == row.argmax().item(), (rid, t)
+    for drafter, kw, graphs in ((None, dict(decode_steps=4), False), ("self", {}, False),
+                                ("mtp", dict(num_speculative_tokens=2), False),
+                                ("mtp", dict(num_speculative_tokens=2), True)):
+        e = engine(models, drafter, **kw)
+        if graphs:
+            eager_graphs(monkeypatch, e)
+        got, got_reasons, _ = run(e, reqs)
+        assert got == want and got_reasons == reasons, (drafter, graphs)
+    with pytest.raises(ValueError, match="min_tokens"):
+        greedy(4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        greedy(8, min_tokens=2, json_schema='{"type": "object"}')
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -651,3 +651,23 @@ def test_stop_token_ids(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**kw, extra_body={"stop_token_ids": [-1]})
     assert e.value.param == "stop_token_ids"
+
+
+def test_min_tokens(client, tiny_dir):
+    """vLLM's min_tokens: no end-of-sequence token before that many tokens (a +100 bias on
+    one makes it the first choice otherwise), then it ends the reply ("stop"); min_tokens
+    above max_tokens is a 400 naming it."""
+    eos = json.loads((tiny_dir / "config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    kw = dict(model="volundr", max_tokens=16, temperature=0.0, logit_bias={str(eos): 100})
+    at_once = client.completions.create(**kw, prompt="The forge")
+    assert at_once.choices[0].finish_reason == "stop" and at_once.choices[0].text == ""
+    r = client.completions.create(**kw, prompt="The forge", logprobs=0,
+                                  extra_body={"min_tokens": 5})
+    assert r.choices[0].finish_reason == "stop" and len(r.choices[0].logprobs.tokens) == 5
+    c = client.chat.completions.create(**kw, messages=MESSAGES, extra_body={"min_tokens": 3})
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="volundr", prompt="x", max_tokens=2,
+                                  extra_body={"min_tokens": 3})
+    assert e.value.param == "min_tokens"

@@ -119,6 +119,7 @@ def parse_llm_request(get: Getter, max_model_len: int, defaults: dict | None = N
         "seed": None if seed is None else int(seed),
         "stop_token_ids": () if stop_ids is None else tuple(int(t) for t in stop_ids.reshape(-1)),
         "ignore_eos": bool(_opt(_scalar(get, "ignore_eos"), False)),
+        "min_tokens": int(_opt(_scalar(get, "min_tokens"), 0)),
         "presence_penalty": float(_opt(_scalar(get, "presence_penalty"), 0.0)),
         "frequency_penalty": float(_opt(_scalar(get, "frequency_penalty"), 0.0)),
         "repetition_penalty": float(_opt(_scalar(get, "repetition_penalty"),

@@ -78,8 +78,11 @@ class RequestStream:
     """Per request: buffers ids until they can be emitted (clean boundary, no partial stop)."""
 
     def __init__(self, boundary: Utf8Boundary, stops: Sequence[str], stream: bool,
-                 num_input_tokens: int):
+                 num_input_tokens: int, min_tokens: int = 0):
+        """min_tokens: stop strings are looked for once that many tokens are out (vLLM's
+        rule)."""
         self.boundary, self.stops, self.stream = boundary, tuple(stops), stream
+        self.min_tokens = min_tokens
         self.num_input_tokens = num_input_tokens
         self.ids: list[int] = []
         self.lps: list | None = None  # parallel to ids where the engine returns logprobs
@@ -108,7 +111,7 @@ class RequestStream:
         prefix = self._prefix()
         trim, reason = 0, finish_reason
         clean = self.boundary.is_clean(self.ids, held=len(pending))
-        if self.stops and pending:
+        if self.stops and pending and self.num_output_tokens >= self.min_tokens:
             text = text_delta(self.boundary.tokenizer, prefix, pending)
             at = find_stop(text, self.stops)
             if at >= 0:
@@ -226,7 +229,7 @@ class EngineLoop:
                 prefix = "prompt too long" if "context" in msg else "invalid request"
                 sink.error(f"{prefix}: {msg}")
                 return
-            rs = RequestStream(self.boundary, stops, stream, len(prompt_ids))
+            rs = RequestStream(self.boundary, stops, stream, len(prompt_ids), params.min_tokens)
             self._active[rid] = _Active(tid, rs, sink, t_arrival)
         elif kind == "abort":
             _, tid, reply = cmd
