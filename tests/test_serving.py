@@ -161,6 +161,15 @@ def test_bad_triton_inputs_are_errors_and_serving_goes_on(serving):
         (dict(text_input="x", json_schema="{oops"), "json_schema is not valid JSON"),
         (dict(text_input="x", json_schema='{"type": "strin"}'), "json_schema cannot be compiled"),
         (dict(text_input="word " * 3000, max_tokens=2), "prompt too long"),
+        (dict(text_input="x", max_tokens=2, min_tokens=3), "min_tokens must be"),
+        (dict(messages='[{"role": "user", "content": "y"}]', tools=json.dumps([{
+            "type": "function", "function": {"name": "f", "parameters": {}}}]),
+              chat_template_kwargs='{"tool_choice": "required", "add_generation_prompt": false}'),
+         "forces a call needs add_generation_prompt"),
+        (dict(messages='[{"role": "user", "content": "y"}]',
+              chat_template_kwargs='{"continue_final_message": true, '
+                                   '"add_generation_prompt": false}'),
+         "final assistant message"),
     ]
     for fields, needle in cases:
         with pytest.raises(Exception, match=needle):

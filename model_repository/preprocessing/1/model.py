@@ -9,7 +9,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
-from volundr.chat import json_grammar, load_chat_template, render_chat, tool_call_grammar
+from volundr.chat import (
+    forced_tool_prefix,
+    json_grammar,
+    load_chat_template,
+    render_chat,
+    tool_call_grammar,
+)
 from volundr.serve.repo import model_parameters, resolve_model_dir
 
 
@@ -84,6 +90,8 @@ class TritonPythonModel:
         # it here and reads the reply as continuing it).
         tool_choice = kwargs.pop("tool_choice", None)
         try:
+            if not gen and forced_tool_prefix(tool_choice):  # (its grammar assumes the prefill)
+                raise ValueError("a tool_choice that forces a call needs add_generation_prompt")
             prompt = render_chat(self.template, messages, tools=tools or None,
                                  tool_choice=tool_choice, add_generation_prompt=gen,
                                  continue_final_message=cont, **kwargs)
