@@ -224,6 +224,27 @@ def json_grammar(schema: dict, think: bool = False,
                       f"think: {_tag('<think>', specials)} /(?s:.*)/ {_tag('</think>', specials)}"])
 
 
+def think_first(grammar: str, specials: Collection[str] | None = None) -> str:
+    """`grammar` (llguidance's Lark, or its JSON form {"grammars": [...]}) after an optional
+    `<think>...</think>` and whitespace, as json_grammar(think=True) has a schema's value: a
+    chat reply with thinking on, the reasoning first. The grammar becomes a nested one that the
+    new start rule names (llguidance's `@name`), so its own rules stay as they are."""
+    top = None
+    if grammar.lstrip().startswith("{"):
+        try:
+            top = json.loads(grammar)
+        except ValueError:
+            pass
+    if isinstance(top, dict) and isinstance(top.get("grammars"), list) and top["grammars"]:
+        inner = [dict(g) for g in top["grammars"]]
+    else:
+        top, inner = {}, [{"lark_grammar": grammar}]
+    name = inner[0].setdefault("name", "reply")
+    head = "\n".join([f"start: think? /[ \\t\\n]*/ @{name}",
+                      f"think: {_tag('<think>', specials)} /(?s:.*)/ {_tag('</think>', specials)}"])
+    return json.dumps({**top, "grammars": [{"lark_grammar": head}] + inner})
+
+
 def tool_call_grammar(tools: list | None, tool_choice: Any,
                       specials: Collection[str] | None = None) -> str | None:
     """The grammar (llguidance's Lark) of a reply with tool calls, so the calls are well formed

@@ -453,7 +453,7 @@ def test_strict_tools_under_auto(client, tiny_dir):
     assert free.choices[0].message.content and not free.choices[0].message.tool_calls
 
 
-def test_structured_outputs_extension(client):
+def test_structured_outputs_extension(client, tiny_dir):
     """vLLM's structured_outputs (extra_body): choice, regex, json and a Lark grammar; its
     older guided_choice; two at once or a bad grammar is a 400."""
     kw = dict(model="volundr", messages=MESSAGES, max_tokens=30, temperature=1.0)
@@ -475,6 +475,20 @@ def test_structured_outputs_extension(client):
                                   extra_body={"structured_outputs": {
                                       "grammar": 'start: "iron" | "steel" " " ("hot" | "cold")'}})
     assert c.choices[0].text in ("iron", "steel hot", "steel cold")
+    # thinking asked for: the reasoning first (the think tags forced by logit_bias here), then
+    # the form as content, for regex / choice / grammar as for json
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    bias = {str(tok.token_to_id(t)): 100 for t in ("<think>", "</think>")}
+    for form, ok in (({"regex": "[0-9]{3}-[a-c]{2}"},
+                      lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t)),
+                     ({"choice": ["anvil", "tongs"]}, lambda t: t in ("anvil", "tongs"))):
+        r = client.chat.completions.create(**kw, logit_bias=bias, extra_body={
+            "structured_outputs": form, "chat_template_kwargs": {"enable_thinking": True}})
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "stop" and ok(m.content), m
+        # (the block came first, empty: both tags biased alike, the closing one next)
+        assert r.usage.completion_tokens >= 2 + len(tok.encode(m.content,
+                                                               add_special_tokens=False).ids)
     for bad in ({"structured_outputs": {"choice": ["a"], "regex": "b"}},
                 {"structured_outputs": {"grammar": "start: ("}},
                 {"structured_outputs": {"choice": []}}):

@@ -205,6 +205,29 @@ def test_json_grammar_with_thinking(llm):
     assert not takes(True, tok.encode("Sure: ", add_special_tokens=False).ids + value)
 
 
+def test_think_first_wraps_any_grammar(llm):
+    """volundr.chat.think_first: a Lark grammar (rules of its own, a regex) or one in
+    llguidance's JSON form, after an optional think block and whitespace, as
+    json_grammar(think=True) has a schema; text outside those is refused."""
+    from volundr.chat import think_first
+
+    tok = llm.tokenizer
+    enc = lambda t: tok.encode(t, add_special_tokens=False).ids  # noqa: E731
+    think = [tok.token_to_id("<think>")] + enc("plan it") + [tok.token_to_id("</think>")]
+    lark = 'start: metal ("," metal)*\nmetal: "iron" | "steel"'
+    form = json.dumps({"grammars": [{"lark_grammar": "start: /[0-9]{3}/"}]})
+    for grammar, good, bad in ((lark, "iron,steel", "gold"), (form, "123", "12a")):
+        def takes(g: str, ids: list[int]) -> bool:
+            m = llm.engine.grammars.matcher(SamplingParams(grammar=g))
+            return (m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids)
+                    and m.is_accepting())
+
+        wrapped = think_first(grammar)  # (the tiny tokenizer's tags are special tokens)
+        assert takes(grammar, enc(good)) and not takes(grammar, think + enc(good))
+        assert takes(wrapped, enc(good)) and takes(wrapped, think + enc("\n\n" + good))
+        assert not takes(wrapped, enc(bad)) and not takes(wrapped, think + enc(bad))
+
+
 def test_without_llguidance_a_structured_request_is_a_clear_error(tiny_dir, monkeypatch):
     from volundr.structured import Grammars
 

@@ -14,6 +14,7 @@ from volundr.chat import (
     json_grammar,
     load_chat_template,
     render_chat,
+    think_first,
     tool_call_grammar,
 )
 from volundr.serve.repo import model_parameters, resolve_model_dir
@@ -102,6 +103,8 @@ class TritonPythonModel:
             # thinking on (the template's default): the reasoning first, then the value
             # (not when the reply continues a message)
             think = kwargs.get("enable_thinking", True) is not False and gen
+            if grammar and think:
+                grammar = think_first(grammar, self.specials)
             return prompt, grammar or calls or self._json_grammar(schema, think)
         except ValueError as e:
             raise ValueError(f"invalid request: {e}") from None
