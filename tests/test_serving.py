@@ -119,6 +119,24 @@ def test_json_schema_input(serving):
     assert not "".join(texts(free)).startswith("{")
 
 
+def test_grammar_input_after_a_think_block(serving, tiny_dir):
+    """The ensemble's grammar with chat messages: the template's thinking on (its default),
+    the reply may open with a think block (here forced by a +100 bias on both tags, greedy)
+    and then holds to the grammar; with enable_thinking false the grammar holds from the
+    first token."""
+    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
+    bias = json.dumps({str(tok.token_to_id(t)): 100 for t in ("<think>", "</think>")})
+    base = dict(messages=json.dumps([{"role": "user", "content": "A code?"}]),
+                grammar="start: /[0-9]{3}-[a-c]{2}/", logit_bias=bias, max_tokens=30,
+                temperature=0.0)
+    on = texts(grpc_stream(serving.grpc_url, "volundr", VolundrTriton.inputs(**base)))[0]
+    think, _, value = on.partition("</think>")
+    assert think.startswith("<think>") and re.fullmatch(r"\s*[0-9]{3}-[a-c]{2}", value), on
+    off = texts(grpc_stream(serving.grpc_url, "volundr", VolundrTriton.inputs(
+        **base, chat_template_kwargs='{"enable_thinking": false}')))[0]
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", off), off
+
+
 def test_http_generate_and_generate_stream(serving):
     body = {"text_input": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     url = f"{serving.http_url}/v2/models/volundr"
