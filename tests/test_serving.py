@@ -262,6 +262,7 @@ def test_engine_metrics_on_the_metrics_port(serving):
         text = httpx.get(url, timeout=10).text
         return text, [prometheus(text, n, **lab) or 0.0 for n in names]
 
+    wait_idle(serving.grpc_url)  # (an earlier test's aborted request must not count here)
     text, before = read()
     ok0 = prometheus(text, "volundr:request_success_total", finish_reason="length", **lab) or 0
     got = grpc_stream(serving.grpc_url, "volundr_llm", VolundrTriton.inputs(
