@@ -213,6 +213,11 @@ def _tag(t: str, specials: Collection[str] | None) -> str:
     return t if specials is None or t in specials else json.dumps(t)
 
 
+def _think_rule(specials: Collection[str] | None) -> str:
+    """The rule of a reply's reasoning block: `<think>`, any text, `</think>`."""
+    return f"think: {_tag('<think>', specials)} /(?s:.*)/ {_tag('</think>', specials)}"
+
+
 def json_grammar(schema: dict, think: bool = False,
                  specials: Collection[str] | None = None) -> str:
     """The grammar (llguidance's Lark) of a reply that is JSON matching `schema`; think: after
@@ -221,7 +226,7 @@ def json_grammar(schema: dict, think: bool = False,
     if not think:
         return "start: " + _json_rule(schema, JSON_OPTIONS)
     return "\n".join([f"start: think? /[ \\t\\n]*/ {_json_rule(schema, JSON_OPTIONS)}",
-                      f"think: {_tag('<think>', specials)} /(?s:.*)/ {_tag('</think>', specials)}"])
+                      _think_rule(specials)])
 
 
 def think_first(grammar: str, specials: Collection[str] | None = None) -> str:
@@ -240,8 +245,7 @@ def think_first(grammar: str, specials: Collection[str] | None = None) -> str:
     else:
         top, inner = {}, [{"lark_grammar": grammar}]
     name = inner[0].setdefault("name", "reply")
-    head = "\n".join([f"start: think? /[ \\t\\n]*/ @{name}",
-                      f"think: {_tag('<think>', specials)} /(?s:.*)/ {_tag('</think>', specials)}"])
+    head = "\n".join([f"start: think? /[ \\t\\n]*/ @{name}", _think_rule(specials)])
     return json.dumps({**top, "grammars": [{"lark_grammar": head}] + inner})
 
 
@@ -281,7 +285,7 @@ def tool_call_grammar(tools: list | None, tool_choice: Any,
              f"start: think? text ({tag(TOOL_CALL_OPEN)} {calls})?",
              "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
     if strict:
-        rules += [f"think: {tag('<think>')} /(?s:.*)/ {tag('</think>')}", "text: /(?s:.*)/"]
+        rules += [_think_rule(specials), "text: /(?s:.*)/"]
     for i, (n, fn) in enumerate(fns.items()):
         head = json.dumps('{"name": ' + json.dumps(n, ensure_ascii=False) + ', "arguments": ',
                           ensure_ascii=False)

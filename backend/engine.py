@@ -195,6 +195,16 @@ class LLMEngine:
             else:
                 self.drafter.forget(r.ticket)
 
+    def compile_grammar(self, params: SamplingParams):
+        """A structured request's matcher (volundr.structured.Grammars.matcher; safe on any
+        thread), None for a free one. ValueError: a grammar that does not compile, or no
+        grammars in this engine."""
+        if not params.structured:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured output: this engine has no tokenizer for grammars")
+        return self.grammars.matcher(params)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     input_embeds: dict[int, torch.Tensor] | None = None,
@@ -206,9 +216,8 @@ class LLMEngine:
         state under it when it ends (volundr.session). priority: waiting requests are admitted
         lower values first (then in arrival order); under KV pressure the highest value is
         preempted first. grammar: a structured request's matcher compiled already
-        (self.grammars.matcher(params) on another thread: a large schema takes milliseconds,
-        which the engine's thread would take from every running stream); None: compiled
-        here."""
+        (`compile_grammar` on another thread: a large schema takes milliseconds, which the
+        engine's thread would take from every running stream); None: compiled here."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.check()  # WorkerError once a rank is gone
         ids = [int(t) for t in prompt_token_ids]
@@ -227,9 +236,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params)
         seq.stop_ids = self._stop_ids(seq)
         if params.structured:
-            if self.grammars is None:
-                raise ValueError("structured output: this engine has no tokenizer for grammars")
-            seq.grammar = grammar if grammar is not None else self.grammars.matcher(params)
+            seq.grammar = grammar if grammar is not None else self.compile_grammar(params)
         seq.priority = int(priority)
         for pos, vec in (input_embeds or {}).items():
             if not 0 <= pos < len(ids):

@@ -163,14 +163,8 @@ class LLM:
                                        session_id, priority, grammar)
 
     def compile_grammar(self, params: SamplingParams):
-        """The matcher of a structured request (volundr.structured.Grammars.matcher; any
-        thread), for add_request; None for a free one. ValueError: a grammar that does not
-        compile, or no grammars in this engine."""
-        if not params.structured:
-            return None
-        if self.engine.grammars is None:
-            raise ValueError("structured output: this engine has no tokenizer for grammars")
-        return self.engine.grammars.matcher(params)
+        """LLMEngine.compile_grammar (any thread), for add_request."""
+        return self.engine.compile_grammar(params)
 
     def close_session(self, session_id: str) -> bool:
         """Drops the session's parked state; whether there was one."""
