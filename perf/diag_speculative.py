@@ -11,6 +11,9 @@
         (each step's wall time against its GPU busy time, host lead / tail, idle gaps)
         (under PDL a kernel's time includes its early start's wait: VOLUNDR_PDL=0 for times
         that add up; the launch counts hold either way)
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+accept+k2 --replays
+        (no profiler: each graph replay in a step between CUDA events, against the same graph
+        replayed back to back, and the host's time in replay())
 
 Builds bench_decode's engine for the variant, decodes one request, and wraps the phases of
 `volundr.speculative.speculate` (drafter catch-up, save, guesses, the model's check, its commit,
@@ -70,6 +73,36 @@ def right_guesses(e, tokens: int) -> None:
     e.step = right
 
 
+def replay_gaps(e, run) -> dict:
+    """Each CUDA graph replay during run() timed on the GPU between events recorded just before
+    and after it (a launch the GPU waits for counts: the stream has drained the work before),
+    and on the host (the replay() call); per graph (in order of first replay): replays, GPU ms
+    and host ms means, and the same graph's back-to-back replay ms (launches overlapped)."""
+    real, recs = torch.cuda.CUDAGraph.replay, []
+
+    def timed(g):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        real(g)
+        recs.append((g, a, b, time.perf_counter() - t0))
+        b.record()
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        run()
+    finally:
+        torch.cuda.CUDAGraph.replay = real
+    torch.cuda.synchronize()
+    per: dict = {}
+    for g, a, b, host in recs:
+        per.setdefault(g, []).append((a.elapsed_time(b), 1e3 * host))
+    return {f"graph{i}": {"replays": len(v), "gpu_ms": sum(x for x, _ in v) / len(v),
+                          "host_ms": sum(h for _, h in v) / len(v),
+                          "back_to_back_ms": replay_ms(g, 20)}
+            for i, (g, v) in enumerate(per.items())}
+
+
 def graph_kernels(graphs: dict[str, torch.cuda.CUDAGraph], path: str, reps: int = 5) -> dict:
     """Kernel times (torch.profiler, CUDA activity) of `reps` replays of each named graph, in
     us per replay by bench_decode.CATEGORIES, and each graph's top kernels to `path`: where a
@@ -118,6 +151,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None,
                     help="a text file for a profiled decode of 24 tokens, per engine step: wall "
                     "time, GPU busy time, host lead / tail and idle gaps (step_gaps.py)")
+    ap.add_argument("--replays", action="store_true",
+                    help="time each graph replay of 24 tokens between CUDA events (replay_gaps)")
     args = ap.parse_args()
     base, *sfx = args.variant.split("+")
     variant, _, steps = base.partition("@")
@@ -152,6 +187,8 @@ def main() -> None:
     clean = decode_rate(e, 1, 128, args.tokens)  # no timers (their syncs cost)
     gaps = trace_steps(e, lambda: decode_rate(e, 1, 128, 24), args.trace) if args.trace \
         else None
+    if args.replays and dev == "cuda":
+        replays = replay_gaps(e, lambda: decode_rate(e, 1, 128, 24))
     spec_stats = {k: v - before[k] for k, v in e.stats().items() if k.startswith("spec_")}
     totals: dict[str, list[float]] = defaultdict(list)
     t_runner, d_runner = e.runner, e.drafter
@@ -175,6 +212,8 @@ def main() -> None:
                        **spec_stats}}
     if gaps is not None:
         res["step_gaps"] = gaps
+    if args.replays and dev == "cuda":
+        res["replays"] = replays
     for name in ("checks", "mtp_graphs"):
         g = getattr(t_runner, name, None)
         if g is not None and g.graphs:

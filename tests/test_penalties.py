@@ -291,3 +291,44 @@ def test_logprobs_are_the_model_log_softmax(models, drafter, monkeypatch):  # no
             want = row.topk(sp.logprobs)
             assert [i for i, _ in top] == want.indices.tolist()
             assert all(abs(a - b) < 1e-4 for (_, a), b in zip(top, want.values.tolist()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logprobs_and_min_tokens_in_every_path(models):  # noqa: F811
+    """On CUDA (bf16, CUDA graphs): greedy logprobs from plain decode, multi-step decode (4
+    tokens a step, the values left on the device) and the MTP head's one-replay greedy step
+    (the check graph's logits rows) are each the float reference's log-softmax within bf16's
+    error, their first top entry the token itself; min_tokens holds the stop ids back the same
+    in every path."""
+    cfg, sd = models["cfg"], models["sd"]
+    p = prompts(1, seed=3)[0][:9]
+    lp_reqs = [("k", p, greedy(12, ignore_eos=True, logprobs=3))]
+    mt_reqs = [("e", p, greedy(20, min_tokens=5, logit_bias={EOS[0]: 100}))]
+    want_mt, reasons, _ = run(engine(models, device="cuda"), mt_reqs)
+    assert reasons == {"e": "stop"} and len(want_mt["e"]) == 5
+    for drafter, kw in ((None, {}), (None, dict(decode_steps=4)),
+                        ("mtp", dict(num_speculative_tokens=2))):
+        e = engine(models, drafter, device="cuda", **kw)
+        fused, real = [], e.runner.check_greedy_mtp
+        e.runner.check_greedy_mtp = (
+            lambda *a, fused=fused, real=real: fused.append(real(*a)) or fused[-1])
+        e.add_request(p, lp_reqs[0][2], "k")
+        ids, lps, most = [], [], 0
+        while e.has_unfinished():
+            for o in e.step():
+                assert o.new_logprobs is not None and len(o.new_logprobs) == len(o.new_token_ids)
+                ids += o.new_token_ids
+                lps += o.new_logprobs
+                most = max(most, len(o.new_token_ids))
+        assert len(ids) == 12
+        if kw.get("decode_steps"):
+            assert most == 4
+        if drafter:
+            assert fused and all(f is not None for f in fused), "the one replay was not taken"
+        ref = torch.log_softmax(reference_logits(cfg, sd, p + ids).double(), -1)
+        for t, (tok, (lp, top)) in enumerate(zip(ids, lps)):
+            assert abs(lp - ref[len(p) + t - 1][tok].item()) < 0.1, (drafter, kw, t)
+            assert len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-6
+            assert top[0][1] >= top[1][1] >= top[2][1]
+        got, got_reasons, _ = run(engine(models, drafter, device="cuda", **kw), mt_reqs)
+        assert got == want_mt and got_reasons == reasons, (drafter, kw)
