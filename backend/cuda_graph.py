@@ -12,7 +12,6 @@ place, so a step's only inputs are small index tensors.
 from __future__ import annotations
 
 import gc
-import os
 from contextlib import contextmanager
 
 import numpy as np
@@ -45,74 +44,6 @@ def no_gc():
     finally:
         if was:
             gc.enable()
-
-
-# Layer indices before which a decode or check graph is cut into the next one (opt-in:
-# VOLUNDR_GRAPH_CUTS="2,6,14,30,62"; read at capture time). Launching a graph costs the host time
-# in its kernel count, and a step's graph is launched after the read back that ended the step
-# before, when the GPU has nothing queued: under the profiler ~0.85 ms idle before a speculative
-# check's first kernel (H100 run 142). Cut into doubling segments, the first one's short launch
-# starts the GPU while the host launches the rest, each launch shorter than the segment before
-# takes to run.
-CUTS = tuple(int(v) for v in os.environ.get("VOLUNDR_GRAPH_CUTS", "").split(",") if v)
-
-
-class GraphChain:
-    """CUDA graphs replayed one after the other as one (`captured`)."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-
-    def replay(self) -> None:
-        for g in self.graphs:
-            g.replay()
-
-    def reset(self) -> None:
-        for g in self.graphs:
-            g.reset()
-
-
-_capture_stream: list[torch.cuda.Stream] = []
-
-
-@contextmanager
-def captured(pool, layers=None, mode: str = "global"):
-    """Captures the body's CUDA work into a graph from `pool`, yielded before the body runs:
-    a torch.cuda.CUDAGraph, or with CUTS and `layers` (a model's DecoderLayers, which the body
-    runs) a GraphChain cut before each layer CUTS names (forward pre-hooks end one capture and
-    begin the next in the same pool; tensors crossing a cut stay allocated, as the body holds
-    them, and the segments replay in capture order, which sharing one pool requires)."""
-    cut = [layers[i] for i in CUTS if layers is not None and 0 < i < len(layers)]
-    if not cut:
-        g = torch.cuda.CUDAGraph()
-        with no_gc(), torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
-            yield g
-        return
-    chain = GraphChain()
-
-    def begin() -> None:
-        chain.graphs.append(torch.cuda.CUDAGraph())
-        chain.graphs[-1].capture_begin(pool, capture_error_mode=mode)
-
-    def next_segment(module, args) -> None:
-        chain.graphs[-1].capture_end()
-        begin()
-
-    hooks = [m.register_forward_pre_hook(next_segment) for m in cut]
-    if not _capture_stream:
-        _capture_stream.append(torch.cuda.Stream())
-    torch.cuda.synchronize()
-    try:
-        with no_gc(), torch.cuda.stream(_capture_stream[0]):
-            begin()
-            try:
-                yield chain
-            finally:
-                chain.graphs[-1].capture_end()
-    finally:
-        for h in hooks:
-            h.remove()
-    torch.cuda.synchronize()
 
 
 def check_room(device: torch.device, budget_bytes: int | None, need: int) -> None:
@@ -156,7 +87,7 @@ class CUDAGraphRunner:
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, **z)
         self.ngram_ids = torch.full((max_bs, cfg.engram.max_order), cfg.engram.pad_id,
                                     dtype=torch.long, **z)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | GraphChain] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
         self.device, self.budget_bytes = device, budget_bytes
         self.build_peak = 0  # the allocator's peak before and during the captures' warm-ups
@@ -193,7 +124,8 @@ class CUDAGraphRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         self.build_peak = max(self.build_peak, peak)
         self._check_room(peak - base)
-        with captured(self.pool, self.model.model.layers, self.mode) as g:
+        g = torch.cuda.CUDAGraph()
+        with no_gc(), torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.mode):
             self.logits[bs] = self._step(b)
         torch.cuda.synchronize()
         self.graphs[bs] = g
@@ -311,8 +243,8 @@ class CheckGraphs:
         torch.cuda.synchronize()
         check_room(self.device, self.budget_bytes,
                    torch.cuda.max_memory_allocated(self.device) - base)
-        gcm = None if self.mtp else torch.cuda.CUDAGraph()
-        with captured(self.pool, None if self.mtp else self.model.model.layers) as g:
+        g, gcm = torch.cuda.CUDAGraph(), None if self.mtp else torch.cuda.CUDAGraph()
+        with no_gc(), torch.cuda.graph(g, pool=self.pool):
             logits, stash, hidden = self._check(b)
         if gcm is not None:
             with no_gc(), torch.cuda.graph(gcm, pool=self.pool):

@@ -33,9 +33,8 @@ as one persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not
 +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off; after its main loop is the default
 since run 15), +pfg = the L2 prefetch of weights before PDL's wait in the gscale GEMVs only
 (KDA's o_proj, after the KDA step; pdl.PREFETCH_GSCALE), +pfgN = each program's first N sets
-only, +pfall = in every gemv_tc (pdl.PREFETCH), +cuts / +cuts:2:6 = the decode and check graphs
-cut into segments before those layers (cuda_graph.CUTS; 2, 6, 14, 30, 62), +noearly = its
-first weights of each set loaded after the PDL wait, not before
+only, +pfall = in every gemv_tc (pdl.PREFETCH), +noearly = its first weights of each set loaded
+after the PDL wait, not before
 (pdl.EARLY_WEIGHTS off; one block at 4 bits is the default since run 16), +early = one block at 3
 and 4 bits, +e4:2/3:2 = blocks per bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the
 batch-1 GEMV at reps N (32 N rows per program; waves scaled to keep its splits; after it +wN sets
@@ -523,7 +522,6 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
     """One variant (see the module doc): build, optional profiles, then decode rates."""
     import volundr.kernels.kda.engine as kengine
     import volundr.kernels.quant.engine as qengine
-    from volundr import cuda_graph
     from volundr.kernels import pdl
     from volundr.kernels.quant import gemv_i8, gemv_i8_rows
 
@@ -545,7 +543,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
                 qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
                 qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4, pdl.PREFETCH,
-                pdl.PREFETCH_GSCALE, pdl.PREFETCH_SETS, cuda_graph.CUTS)
+                pdl.PREFETCH_GSCALE, pdl.PREFETCH_SETS)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -580,9 +578,6 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             # (pfgN: each program's first N sets)
             pdl.PREFETCH, pdl.PREFETCH_GSCALE = sfx == "pfall", True
             pdl.PREFETCH_SETS = int(sfx[3:] or 0) if sfx != "pfall" else 0
-        elif sfx == "cuts" or sfx[:5] == "cuts:":  # the decode / check graphs cut into
-            # segments before these layers (cuda_graph.CUTS; "cuts" = 2, 6, 14, 30, 62)
-            cuda_graph.CUTS = tuple(int(v) for v in (sfx[5:] or "2:6:14:30:62").split(":"))
         elif sfx in ("late", "top"):
             pdl.LATE_TRIGGER = sfx == "late"
         elif sfx in ("early", "noearly"):  # 1 block at 3 and 4 bits / none
@@ -620,8 +615,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, pfg, pfgN, pfall, cuts, cuts:A:B, i8late, i8top, "
-                             "i8rowsN, i8chunkN, "
+                             "dig, nodig, pfg, pfgN, pfall, i8late, i8top, i8rowsN, i8chunkN, "
                              "nopf4, rowsfold, norowsfold, rowsgated, norowsgated, gi8, nogi8, "
                              "early, noearly, e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, "
                              "sN, tpN, symm, fp8kv, draft, draftself, mtp, kN)")
@@ -639,7 +633,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
          qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
          qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4, pdl.PREFETCH,
-         pdl.PREFETCH_GSCALE, pdl.PREFETCH_SETS, cuda_graph.CUTS) = defaults
+         pdl.PREFETCH_GSCALE, pdl.PREFETCH_SETS) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,

@@ -160,7 +160,6 @@ def main() -> None:
     # right ones (plain greedy's ids from an untimed first run): the upper bound; +host = the
     # greedy step as the host's check / commit / mtp calls, not one replay with the acceptance
     # on the device (ModelRunner.check_greedy_mtp). +mtpeager, +mtpright: +mtp+eager, +mtp+right
-    # +cuts: the graphs cut into segments (cuda_graph.CUTS)
     # +accept: every guess accepted whatever it is (greedy acceptance replaced; the tokens are
     # not the model's): a perfect head's step times, free of bf16 near-ties that make a first
     # run's ids drift from a second's (+right then keeps fewer)
@@ -170,10 +169,6 @@ def main() -> None:
     draft = "self" if "draftself" in sfx else "mtp" if mtp else "random"
     k = next((int(s[1:]) for s in sfx if s[:1] == "k" and s[1:].isdigit()), None)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if "cuts" in sfx:  # the check (and decode) graphs in segments (bench_decode's +cuts)
-        from volundr import cuda_graph
-
-        cuda_graph.CUTS = (2, 6, 14, 30, 62)
     e = build(variant, True, 1, args.preset, dev, None, int(steps or 1), 4096, 1, "auto",
               draft=draft, spec_k=k)
     if "eager" in flags:
