@@ -46,14 +46,7 @@ def _enabled() -> bool:
 
 ON = tl.constexpr(_enabled())
 # With PDL, the tensor-core GEMVs can also prefetch their weights into L2 before waiting
-# (all of them: VOLUNDR_PDL_PREFETCH=1). =gscale: only those with a gated norm's scales (KDA's
-# o_proj at one row), whose kernel before, the KDA step, reads a few MB of state and leaves HBM
-# idle for its ~10 us: the o_proj's resident programs can stream their weights into L2 then.
-# PREFETCH_SETS > 0: each program's first that many sets of 4 groups only.
-_PF = os.environ.get("VOLUNDR_PDL_PREFETCH", "0")
-PREFETCH = _PF == "1"
-PREFETCH_GSCALE = _PF in ("1", "gscale")
-PREFETCH_SETS = int(os.environ.get("VOLUNDR_PDL_PREFETCH_SETS", "0"))
+PREFETCH = os.environ.get("VOLUNDR_PDL_PREFETCH", "0") == "1"
 # The tensor-core GEMV triggers its successor after its main loop (VOLUNDR_PDL_TRIGGER=top: at
 # its top, as every other kernel does). H200 run 15, end to end: graph 7.09 -> 6.88 ms per
 # token, 135.9 -> 140.2 tok/s, same ids; the GEMVs whose programs are all resident at once

@@ -31,10 +31,7 @@ next GEMV, or not (engine.RESIDUAL_NORM_FOLD), +chain / +nochain = an MLP's gate
 as one persistent launch (kernels/quant/gemv_chain.py, engine.GEMV_CHAIN) or not, +lrfold /
 +nolrfold = KDA's f_b / g_b computed in its decode kernel or not (kernels/kda/engine.LOW_RANK_FOLD),
 +top = gemv_tc's PDL trigger at its top (pdl.LATE_TRIGGER off; after its main loop is the default
-since run 15), +pfg = the L2 prefetch of weights before PDL's wait in the gscale GEMVs only
-(KDA's o_proj, after the KDA step; pdl.PREFETCH_GSCALE), +pfgN = each program's first N sets
-only, +pfall = in every gemv_tc (pdl.PREFETCH), +noearly = its first weights of each set loaded
-after the PDL wait, not before
+since run 15), +noearly = its first weights of each set loaded after the PDL wait, not before
 (pdl.EARLY_WEIGHTS off; one block at 4 bits is the default since run 16), +early = one block at 3
 and 4 bits, +e4:2/3:2 = blocks per bit width (VOLUNDR_PDL_EARLY's syntax, "/" for ","), +rN = the
 batch-1 GEMV at reps N (32 N rows per program; waves scaled to keep its splits; after it +wN sets
@@ -542,8 +539,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
                 qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
                 kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
                 qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
-                qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4, pdl.PREFETCH,
-                pdl.PREFETCH_GSCALE, pdl.PREFETCH_SETS)
+                qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4)
     for sfx in suffixes:  # read at call time: the graphs capture these choices
         if sfx in paths:
             qengine.GEMV_PATH, qengine.GEMM16_PATH = paths[sfx]
@@ -573,11 +569,6 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
             gemv_i8.LATE_TRIGGER = sfx == "i8late"
         elif sfx in ("lrfold", "nolrfold"):  # KDA's f_b / g_b in its decode kernel / not
             kengine.LOW_RANK_FOLD = sfx == "lrfold"
-        elif sfx[:3] == "pfg" and sfx[3:].isdigit() or sfx in ("pfg", "pfall"):
-            # L2 prefetch before PDL's wait in the gscale GEMVs (KDA's o_proj) / every gemv_tc
-            # (pfgN: each program's first N sets)
-            pdl.PREFETCH, pdl.PREFETCH_GSCALE = sfx == "pfall", True
-            pdl.PREFETCH_SETS = int(sfx[3:] or 0) if sfx != "pfall" else 0
         elif sfx in ("late", "top"):
             pdl.LATE_TRIGGER = sfx == "late"
         elif sfx in ("early", "noearly"):  # 1 block at 3 and 4 bits / none
@@ -615,10 +606,10 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
         else:
             raise ValueError(f"unknown suffix +{sfx} ({', '.join(paths)}, fold, late, top, "
                              "gfold, nogfold, rfold, norfold, chain, nochain, lrfold, nolrfold, "
-                             "dig, nodig, pfg, pfgN, pfall, i8late, i8top, i8rowsN, i8chunkN, "
-                             "nopf4, rowsfold, norowsfold, rowsgated, norowsgated, gi8, nogi8, "
-                             "early, noearly, e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, "
-                             "sN, tpN, symm, fp8kv, draft, draftself, mtp, kN)")
+                             "dig, nodig, i8late, i8top, i8rowsN, i8chunkN, nopf4, rowsfold, "
+                             "norowsfold, rowsgated, norowsgated, gi8, nogi8, early, noearly, "
+                             "e<bits:blocks/...>, rN, wN, wN@NxK, uncap, tcminN, sN, tpN, symm, "
+                             "fp8kv, draft, draftself, mtp, kN)")
     try:
         return _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp, kv_cache_dtype,
                         draft, spec_k)
@@ -632,8 +623,7 @@ def run_variant(spec: str, args, hbm_copy_GBps: float, dev: torch.device) -> lis
          qengine.TC_MIN_DIM, qengine.GATED_NORM_FOLD, qengine.RESIDUAL_NORM_FOLD,
          kengine.LOW_RANK_FOLD, qengine.GEMV_TC_SHAPE, qengine.GEMV_CHAIN,
          qengine.DIGITS_EPILOGUE, gemv_i8.LATE_TRIGGER, qengine.I8_ROWS,
-         qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4, pdl.PREFETCH,
-         pdl.PREFETCH_GSCALE, pdl.PREFETCH_SETS) = defaults
+         qengine.ROWS_FOLD, qengine.I8_ROWS_CHUNKED, gemv_i8_rows.FEW4) = defaults
 
 
 def _measure(spec, variant, gib, steps, args, hbm_copy_GBps, cuda, tp=1,

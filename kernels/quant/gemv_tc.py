@@ -666,7 +666,7 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
                    RSCALE: tl.constexpr = False, NRS: tl.constexpr = 1,
                    TMA: tl.constexpr = False, qa_desc=None, qb_desc=None, sz_desc=None,
                    dg_ptr=None, dcnt_ptr=None, DIGITS: tl.constexpr = False,
-                   SWD: tl.constexpr = False, PF_SETS: tl.constexpr = 0):
+                   SWD: tl.constexpr = False):
     """Grid (cdiv(N, BN), num_splits), BN = 4 L Q; one warp per 8 quads (Q = 8 num_warps).
     Program (n tile, split) sums sets of 4 groups set0 .. set1 - 1 for its BN output rows.
     SWIGLU: x = SiLU(x[:K]) * x[up_off:] (x holds gate and up, up_off = K).
@@ -697,8 +697,8 @@ def gemv_tc_kernel(x_ptr, qa_ptr, qb_ptr, sz_ptr, y_ptr, ws_ptr, cnt_ptr,
           USE_ASM, SH, MSK, OFFS, ASM_STEP, ASM_XSUM, ASM_PAIRS, CONS_STEP, CONS_XSUM, XS,
           ASM_KEEP, EVEN, PREFETCH_L2, PF_ASM, SWIGLU, LATE_TRIGGER, r_ptr, nw_ptr, h_ptr, xs_ptr,
           ss_ptr, eps, NORM, STAGES, EARLY_W, gs_ptr, GSCALE, NPART, RES, rs_ptr, n_rs, RSCALE,
-          NRS, PF_SETS=PF_SETS, TMA=TMA, qa_desc=qa_desc, qb_desc=qb_desc, sz_desc=sz_desc,
-          dg_ptr=dg_ptr, dcnt_ptr=dcnt_ptr, DIGITS=DIGITS, SWD=SWD)
+          NRS, TMA=TMA, qa_desc=qa_desc, qb_desc=qb_desc, sz_desc=sz_desc, dg_ptr=dg_ptr,
+          dcnt_ptr=dcnt_ptr, DIGITS=DIGITS, SWD=SWD)
 
 
 @functools.cache
@@ -854,13 +854,11 @@ def launch_args(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.T
     even = n % bn == 0 and num_groups % 4 == 0
     # whole tiles keep the prefetches inside the planes (a prefetch takes the 128-byte line
     # holding its address: rows off the line grid lose at most a line)
-    prefetch = (pdl.ON.value and (pdl.PREFETCH or pdl.PREFETCH_GSCALE and gscale is not None)
-                and even and bn % 32 == 0 and not _interpreting())
+    prefetch = pdl.ON.value and pdl.PREFETCH and even and bn % 32 == 0 and not _interpreting()
     args = (x, qa, qb if qb.numel() else qa, sz, out, ws, cnt, n, num_groups, sps, ns, k)
     kw = dict(BITS=bits, G=group_size, WA=wa, L=reps, Q=q, SPLIT_K=ns > 1,
               USE_ASM=not _interpreting(), EVEN=even, **kernel_consts(bits),
               PREFETCH_L2=prefetch, PF_ASM=pdl.prefetch_l2_asm(4 * bn) if prefetch else "",
-              PF_SETS=pdl.PREFETCH_SETS if prefetch else 0,
               SWIGLU=swiglu, LATE_TRIGGER=pdl.LATE_TRIGGER, STAGES=stages, num_warps=num_warps,
               EARLY_W=int(pdl.EARLY_WEIGHTS.get(bits, 0) if early is None else early),
               launch_pdl=pdl.ON.value, **nkw,
