@@ -2,7 +2,8 @@
 
     python -m volundr.clients.openai_proxy --triton-grpc 127.0.0.1:8001 --port 30000
 
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Streaming is SSE
+POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (GET / DELETE
+/v1/responses/{id}: openai_responses), GET /v1/models, GET /health. Streaming is SSE
 ending in `data: [DONE]`. Errors are OpenAI error JSON: 400 invalid request or prompt longer
 than the context, 404 unknown model, 429 server busy (backpressure), 503 Triton unavailable.
 A client that disconnects gets its Triton request cancelled and its sequence aborted (blocks and
@@ -35,7 +36,14 @@ from volundr.clients.openai_render import (
     share_id,
     total_usage,
 )
-from volundr.clients.openai_schema import APIError, ChatRequest, CompletionRequest, parse_body
+from volundr.clients.openai_responses import PARAMS, ResponsesCall, ResponseStore
+from volundr.clients.openai_schema import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    load_json,
+    parse_body,
+)
 from volundr.clients.triton import Delta, TritonRequestError, TritonUnavailable, VolundrTriton
 
 
@@ -201,8 +209,9 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         check_model(name)
         return model_card()
 
-    async def run(request: Request, req, make_render):
-        """`make_render(i)`: the render of choice i (state of its own, one per choice)."""
+    def launch(req, make_render) -> tuple[FanOut, list]:
+        """The Triton requests of a chat / completion request and their renders
+        (`make_render(i)`: the render of choice i, state of its own)."""
         check_model(req.model)
         fields = _tensors(req)
         count = req.candidates() if isinstance(req, CompletionRequest) else req.n
@@ -217,6 +226,10 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
             VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i),
                                     "session_id": session if i == 0 else None}),
             request_id=f"{rid}-{i}") for i in range(count)])
+        return fan, renders
+
+    async def run(request: Request, req, make_render):
+        fan, renders = launch(req, make_render)
         if not req.stream:
             return JSONResponse(await _collect(request, fan, renders, req.n))
         try:  # the first response decides the HTTP status (e.g. 400 prompt too long)
@@ -238,6 +251,47 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         req = parse_body(await request.body(), CompletionRequest)
         return await run(request, req,
                          lambda i: CompletionRender(req, cfg.served_model_name, index=i))
+
+    responses = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        call = ResponsesCall(load_json(await request.body()), responses, cfg.served_model_name)
+        try:
+            req = parse_body(call.chat, ChatRequest)
+        except APIError as e:  # named by the Responses field it came from
+            e.param = PARAMS.get(e.param, e.param)
+            raise
+        fan, renders = launch(req, lambda i: ChatRender(
+            req, cfg.served_model_name, reasoning=cfg.reasoning_split,
+            reasoning_opened=cfg.reasoning_opened, index=i))
+        if not req.stream:
+            out = await _collect(request, fan, renders, 1)
+            choice = out["choices"][0]
+            return call.finished(choice["message"], choice["finish_reason"], out["usage"])
+        try:
+            first = await fan.first()
+        except (TritonRequestError, TritonUnavailable) as e:
+            raise triton_error(e) from None
+        return EventStream(call.events(_sse(fan, first, renders)), fan,
+                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def stored(rid: str) -> dict:
+        found = responses.get(rid)
+        if found is None:
+            raise APIError(404, f"Response with id '{rid}' not found.", "not_found_error",
+                           param="response_id")
+        return found[1]
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        return stored(rid)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        stored(rid)
+        responses.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
 
     return app
 

@@ -308,8 +308,23 @@ class CompletionRequest(_Common):
         return self.prompt
 
 
-def parse_body(raw: bytes, kind: type[BaseModel]) -> Any:
-    """Bytes of a request body -> a validated request model, or APIError(400)."""
+def parse_body(raw: bytes | dict, kind: type[BaseModel]) -> Any:
+    """A request body (bytes, or its JSON object) -> a validated request model, or
+    APIError(400)."""
+    data = raw if isinstance(raw, dict) else load_json(raw)
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
+                       param=loc or None) from None
+    req.check()
+    return req
+
+
+def load_json(raw: bytes) -> dict:
+    """Bytes of a request body -> its JSON object, or APIError(400)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -322,15 +337,7 @@ def parse_body(raw: bytes, kind: type[BaseModel]) -> Any:
                        f"column {e.colno}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    try:
-        req = kind.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"],
-                       param=loc or None) from None
-    req.check()
-    return req
+    return data
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

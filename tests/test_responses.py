@@ -1,0 +1,151 @@
+"""OpenAI's Responses API (POST /v1/responses, volundr.clients.openai_responses) through the
+official SDK against the real stack (tritonserver + proxy, the tiny model): the same reply as
+the chat request it translates to, its stream of typed events building the same Response (the
+SDK's stream helper too), function calls and their outputs in a conversation, by
+previous_response_id, stored responses, text.format, and clear 400s."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.server
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 12}}}}
+
+
+@pytest.fixture(scope="module")
+def client(serving) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serving.proxy_url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def eos(tiny_dir) -> int:
+    e = json.loads((tiny_dir / "config.json").read_text())["eos_token_id"]
+    return e[0] if isinstance(e, list) else e
+
+
+def _reasoning(resp) -> str | None:
+    items = [o for o in resp.output if o.type == "reasoning"]
+    return items[0].content[0].text if items else None
+
+
+def test_response_is_the_chat_reply(client):
+    """instructions + input == a system + user chat request: the same text (greedy), the same
+    token counts; a reply cut by max_output_tokens is "incomplete"."""
+    kw = dict(model="volundr", temperature=0.0, extra_body={"ignore_eos": True})
+    resp = client.responses.create(**kw, instructions="Be brief.", max_output_tokens=16,
+                                   input="Tell me about Volundr the smith.")
+    chat = client.chat.completions.create(**kw, max_tokens=16, messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me about Volundr the smith."}])
+    msg = chat.choices[0].message
+    assert resp.id.startswith("resp_") and resp.object == "response"
+    assert resp.output_text == (msg.content or "")
+    assert _reasoning(resp) == (msg.model_extra or {}).get("reasoning_content")
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 16
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.total_tokens == resp.usage.input_tokens + 16
+    assert client.responses.retrieve(resp.id).output_text == resp.output_text
+
+
+def test_streamed_events_build_the_same_response(client, eos):
+    """The stream's events in order (created, in_progress, items opened / deltas / closed,
+    completed) with sequence numbers 0, 1, ...; their deltas == the final text == the reply
+    not streamed; the SDK's stream helper assembles the same Response. A +100 bias on the
+    end-of-sequence token after min_tokens ends the reply: "completed"."""
+    kw = dict(model="volundr", temperature=0.0, max_output_tokens=32,
+              input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+              extra_body={"min_tokens": 6, "logit_bias": {str(eos): 100},
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    whole = client.responses.create(**kw)
+    assert whole.status == "completed" and whole.usage.output_tokens == 6 + 1  # (the EOS)
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed" and types[-2] == "response.output_item.done"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == whole.output_text != ""
+    assert final.usage.output_tokens == 7 and final.id == events[0].response.id
+    with client.responses.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        helper = stream.get_final_response()
+    assert helper.output_text == whole.output_text
+
+
+def test_function_calls_in_a_conversation(client):
+    """tool_choice required: a function_call item whose arguments match the tool's
+    parameters; its output sent back as a function_call_output item (the whole conversation,
+    or by previous_response_id) gives a reply; streamed, the call's argument deltas add up."""
+    kw = dict(model="volundr", temperature=0.0, tools=[TOOL], max_output_tokens=64)
+    first = client.responses.create(**kw, input="Weather in Oslo?", tool_choice="required")
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id
+    args = json.loads(calls[0].arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    assert first.status == "completed"
+    out = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}
+    whole = client.responses.create(**kw, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+         "arguments": calls[0].arguments}, out])
+    chained = client.responses.create(**kw, input=[out], previous_response_id=first.id)
+    assert chained.previous_response_id == first.id
+    assert chained.usage.input_tokens == whole.usage.input_tokens > 0
+    assert chained.output_text == whole.output_text
+    events = list(client.responses.create(**kw, input="Weather in Oslo?",
+                                          tool_choice="required", stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = "".join(e.delta for e in events
+                     if e.type == "response.function_call_arguments.delta")
+    assert done and deltas == done[0].arguments == calls[0].arguments
+    assert events[-1].response.output[-1].type == "function_call"
+
+
+def test_text_format_json_schema(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "maxLength": 10}}}
+    resp = client.responses.create(model="volundr", input="Name a smith.", temperature=0.0,
+                                   max_output_tokens=48, text={"format": {
+                                       "type": "json_schema", "name": "smith",
+                                       "schema": schema, "strict": True}})
+    assert resp.status == "completed"
+    value = json.loads(resp.output_text)
+    assert set(value) == {"name"} and isinstance(value["name"], str)
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(input="x", tools=[{"type": "web_search"}]), "tools"),
+    (dict(input="x", previous_response_id="resp_missing"), "previous_response_id"),
+    (dict(input=[{"type": "file_search_call", "id": "x"}]), "input"),
+    (dict(input=[{"role": "robot", "content": "x"}]), "input"),
+    (dict(input="x", max_output_tokens=0), "max_output_tokens"),
+    (dict(input="x", background=True), "background"),
+])
+def test_bad_requests_are_400s(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="volundr", **kw)
+    assert e.value.param == param
+    assert client.responses.create(model="volundr", input="ok", max_output_tokens=2).output
+
+
+def test_stored_responses(client):
+    """store false: not retrievable; stored ones are, until deleted; an unknown model 404s."""
+    kept = client.responses.create(model="volundr", input="a", max_output_tokens=2)
+    gone = client.responses.create(model="volundr", input="a", max_output_tokens=2,
+                                   store=False)
+    assert client.responses.retrieve(kept.id).id == kept.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-5", input="a")
