@@ -149,3 +149,35 @@ def test_stored_responses(client):
         client.responses.retrieve(kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-5", input="a")
+
+
+def test_a_client_leaving_mid_stream_frees_its_sequence(serving, client):
+    """A Response stream whose client goes away (streamed or not) aborts its sequence: the
+    engine is idle with every KV block free within seconds, not after its 1500 tokens."""
+    import time
+
+    import httpx
+    from test_proxy import _idle, _stats
+
+    url = f"{serving.proxy_url}/v1/responses"
+    body = {"model": "volundr", "input": "Tell me a long story.", "max_output_tokens": 1500,
+            "ignore_eos": True}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: response.") and line.endswith(".delta"):
+                during = _stats(serving.grpc_url)
+                break  # leaving the loop closes the response: the client is gone
+    assert during["running"] == 1, during
+    for gone in (lambda: None, lambda: httpx.post(url, json=body,
+                                                  timeout=httpx.Timeout(60, read=1.0))):
+        try:
+            gone()
+        except httpx.ReadTimeout:
+            pass
+        t0 = time.monotonic()
+        after = _idle(serving.grpc_url)
+        assert after["running"] == 0 and after["active_requests"] == 0, after
+        assert after["num_blocks_free"] == after["num_blocks_total"], after
+        assert time.monotonic() - t0 < 5
+    assert client.responses.create(model="volundr", input="ok", max_output_tokens=2).output
