@@ -5,7 +5,7 @@ the Response's output items (reasoning, message, function_call) or its stream of
 (response.created ... response.completed). Responses are kept in memory (`store`, the default)
 so that `previous_response_id` continues a conversation and GET /v1/responses/{id} returns one.
 Not supported (400): hosted tools (web / file search, computer use, MCP), background mode,
-conversations and stored prompts.
+conversations, stored prompts and logprobs.
 """
 
 from __future__ import annotations
@@ -156,23 +156,33 @@ def to_response_format(text) -> dict | None:
 
 
 class ResponseStore:
-    """The last `capacity` stored responses: id -> (the conversation's chat messages up to and
-    including the reply, without instructions; the Response object)."""
+    """Stored responses, the oldest dropped first beyond `capacity` of them or `max_chars` of
+    their JSON text in all (an agent's conversation may hold a 262K-token history per turn):
+    id -> (the conversation's chat messages up to and including the reply, without
+    instructions; the Response object)."""
 
-    def __init__(self, capacity: int = 1024):
-        self.capacity, self.items = capacity, OrderedDict()
+    def __init__(self, capacity: int = 1024, max_chars: int = 256 << 20):
+        self.capacity, self.max_chars = capacity, max_chars
+        self.items: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()
+        self.chars = 0
 
     def put(self, rid: str, history: list[dict], response: dict) -> None:
-        self.items[rid] = (history, response)
-        self.items.move_to_end(rid)
-        while len(self.items) > self.capacity:
-            self.items.popitem(last=False)
+        self.delete(rid)
+        size = len(json.dumps([history, response], ensure_ascii=False, default=str))
+        self.items[rid] = (history, response, size)
+        self.chars += size
+        while self.items and (len(self.items) > self.capacity or self.chars > self.max_chars):
+            self.chars -= self.items.popitem(last=False)[1][2]
 
     def get(self, rid: str) -> tuple[list[dict], dict] | None:
-        return self.items.get(rid)
+        found = self.items.get(rid)
+        return None if found is None else found[:2]
 
     def delete(self, rid: str) -> bool:
-        return self.items.pop(rid, None) is not None
+        found = self.items.pop(rid, None)
+        if found is not None:
+            self.chars -= found[2]
+        return found is not None
 
 
 def output_items(message: dict) -> list[dict]:
@@ -210,6 +220,10 @@ class ResponsesCall:
         for k in UNSUPPORTED:
             if body.get(k):
                 raise APIError(400, f"{k} is not supported by this server", param=k)
+        if body.get("top_logprobs") or "message.output_text.logprobs" in (
+                body.get("include") or ()):
+            raise APIError(400, "logprobs are not supported on /v1/responses (they are on "
+                           "/v1/chat/completions)", param="include")
         self.body, self.store, self.model = body, store, model
         self.id, self.created = new_id("resp"), int(time.time())
         prev = body.get("previous_response_id")

@@ -128,6 +128,7 @@ def test_text_format_json_schema(client):
     (dict(input=[{"role": "robot", "content": "x"}]), "input"),
     (dict(input="x", max_output_tokens=0), "max_output_tokens"),
     (dict(input="x", background=True), "background"),
+    (dict(input="x", include=["message.output_text.logprobs"]), "include"),
 ])
 def test_bad_requests_are_400s(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -181,3 +182,40 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(serving, client):
         assert after["num_blocks_free"] == after["num_blocks_total"], after
         assert time.monotonic() - t0 < 5
     assert client.responses.create(model="volundr", input="ok", max_output_tokens=2).output
+
+
+def test_the_store_drops_the_oldest_beyond_its_bounds():
+    from volundr.clients.openai_responses import ResponseStore
+
+    store = ResponseStore(capacity=3, max_chars=2000)
+    for i in range(5):
+        store.put(f"r{i}", [{"role": "user", "content": "x" * 10}], {"id": f"r{i}"})
+    assert list(store.items) == ["r2", "r3", "r4"] and store.get("r1") is None
+    store.put("big", [{"role": "user", "content": "y" * 1500}], {"id": "big"})
+    assert list(store.items) == ["r3", "r4", "big"]
+    store.put("big2", [{"role": "user", "content": "y" * 1500}], {"id": "big2"})
+    assert list(store.items) == ["big2"]  # 2000 characters in all at most
+    assert store.chars == sum(v[2] for v in store.items.values()) <= 2000
+    store.put("huge", [{"role": "user", "content": "z" * 3000}], {"id": "huge"})
+    assert not store.items and store.chars == 0  # larger than the bound: not kept
+    store.put("a", [], {"id": "a"})
+    assert store.delete("a") and not store.delete("a") and store.chars == 0
+
+
+def test_reasoning_effort_turns_thinking_on_and_off(client):
+    """reasoning.effort none / minimal renders the prompt with thinking off, low to high with
+    it on: the same prompt and reply as the chat request with that chat_template_kwargs."""
+    kw = dict(model="volundr", temperature=0.0, extra_body={"ignore_eos": True})
+    seen = set()
+    for effort, thinking in (("minimal", False), ("high", True)):
+        resp = client.responses.create(**kw, input="Hi", max_output_tokens=8,
+                                       reasoning={"effort": effort})
+        chat = client.chat.completions.create(
+            model="volundr", temperature=0.0, max_tokens=8, messages=[
+                {"role": "user", "content": "Hi"}],
+            extra_body={"ignore_eos": True,
+                        "chat_template_kwargs": {"enable_thinking": thinking}})
+        assert resp.usage.input_tokens == chat.usage.prompt_tokens
+        assert resp.output_text == (chat.choices[0].message.content or "")
+        seen.add(resp.usage.input_tokens)
+    assert len(seen) == 2  # (the template renders the two differently)
