@@ -26,6 +26,9 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+if ls .whl/llguidance-*.whl >/dev/null 2>&1; then  # structured output (tests/test_structured.py)
+  python3 -m pip install -q --no-index --no-deps .whl/llguidance-*.whl
+fi
 { git rev-parse HEAD; git status --short; \
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$OUT/env.txt" 2>&1
 
@@ -35,6 +38,7 @@ if [ "$PART" != bench ]; then
     tests/test_triton_only.py tests/test_gemv_chain.py tests/test_gemv_i8.py tests/test_gemv_i8_rows.py \
     tests/test_residual_fold.py \
     tests/test_kv_cache_dtype.py tests/test_sessions.py tests/test_speculative.py tests/test_speculative_mtp.py \
+    tests/test_penalties.py tests/test_structured.py tests/test_kda_rows.py tests/test_kda_low_rank.py \
     tests/test_kernels_kda.py"}
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -v --tb=short -p no:cacheprovider $TESTS \
