@@ -3,7 +3,9 @@ and `instructions` become chat messages, its function tools, tool_choice, text.f
 reasoning.effort the chat fields they mean; the chat reply (or its stream of chunks) becomes
 the Response's output items (reasoning, message, function_call) or its stream of typed events
 (response.created ... response.completed). Responses are kept in memory (`store`, the default)
-so that `previous_response_id` continues a conversation and GET /v1/responses/{id} returns one.
+so that `previous_response_id` continues a conversation and GET /v1/responses/{id} returns one;
+from its second turn on such a conversation is an engine session (its turns resume the state the
+turn before parked instead of re-reading the history).
 Not supported (400): hosted tools (web / file search, computer use, MCP), background mode,
 conversations, stored prompts and logprobs.
 """
@@ -159,29 +161,31 @@ class ResponseStore:
     """Stored responses, the oldest dropped first beyond `capacity` of them or `max_chars` of
     their JSON text in all (an agent's conversation may hold a 262K-token history per turn):
     id -> (the conversation's chat messages up to and including the reply, without
-    instructions; the Response object)."""
+    instructions; the Response object; the engine session its conversation continues)."""
 
     def __init__(self, capacity: int = 1024, max_chars: int = 256 << 20):
         self.capacity, self.max_chars = capacity, max_chars
-        self.items: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()
+        self.items: OrderedDict[str, tuple] = OrderedDict()
         self.chars = 0
 
-    def put(self, rid: str, history: list[dict], response: dict) -> None:
+    def put(self, rid: str, history: list[dict], response: dict,
+            session: str | None = None) -> None:
         self.delete(rid)
         size = len(json.dumps([history, response], ensure_ascii=False, default=str))
-        self.items[rid] = (history, response, size)
+        self.items[rid] = (history, response, session, size)
         self.chars += size
         while self.items and (len(self.items) > self.capacity or self.chars > self.max_chars):
-            self.chars -= self.items.popitem(last=False)[1][2]
+            self.chars -= self.items.popitem(last=False)[1][3]
 
-    def get(self, rid: str) -> tuple[list[dict], dict] | None:
+    def get(self, rid: str) -> tuple[list[dict], dict, str | None] | None:
+        """(history, response, session) of a stored response, or None."""
         found = self.items.get(rid)
-        return None if found is None else found[:2]
+        return None if found is None else found[:3]
 
     def delete(self, rid: str) -> bool:
         found = self.items.pop(rid, None)
         if found is not None:
-            self.chars -= found[2]
+            self.chars -= found[3]
         return found is not None
 
 
@@ -227,13 +231,18 @@ class ResponsesCall:
         self.body, self.store, self.model = body, store, model
         self.id, self.created = new_id("resp"), int(time.time())
         prev = body.get("previous_response_id")
-        history = []
+        history, self.session = [], None
         if prev is not None:
             found = store.get(prev) if isinstance(prev, str) else None
             if found is None:
                 raise APIError(400, f"Previous response with id '{prev}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = [dict(m) for m in found[0]]
+            # A conversation continued by previous_response_id is an engine session from its
+            # second turn on (its first turn may be a one-off: parking its state would cost
+            # every request): each later turn resumes the state the turn before parked
+            # instead of re-reading the history (volundr.session). session_id overrides.
+            self.session = found[2] or f"resp-{prev}"
         if "input" not in body:
             raise APIError(400, "input is required", param="input")
         self.history = history + to_messages(body["input"])  # (stored: no instructions)
@@ -241,6 +250,9 @@ class ResponsesCall:
         if body.get("instructions"):
             msgs.insert(0, {"role": "system", "content": str(body["instructions"])})
         chat = {k: body[k] for k in PASSED if body.get(k) is not None}
+        if self.session is not None:
+            chat.setdefault("session_id", self.session)
+        self.session = chat.get("session_id")
         chat["messages"] = msgs
         if (tools := to_tools(body.get("tools"))) is not None:
             chat["tools"] = tools
@@ -284,7 +296,7 @@ class ResponsesCall:
         resp = self.response(output_items(message), finish, usage)
         if resp["store"]:
             reply = {k: v for k, v in message.items() if v is not None}
-            self.store.put(self.id, self.history + [reply], resp)
+            self.store.put(self.id, self.history + [reply], resp, self.session)
         return resp
 
     async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:

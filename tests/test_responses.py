@@ -195,7 +195,7 @@ def test_the_store_drops_the_oldest_beyond_its_bounds():
     assert list(store.items) == ["r3", "r4", "big"]
     store.put("big2", [{"role": "user", "content": "y" * 1500}], {"id": "big2"})
     assert list(store.items) == ["big2"]  # 2000 characters in all at most
-    assert store.chars == sum(v[2] for v in store.items.values()) <= 2000
+    assert store.chars == sum(v[3] for v in store.items.values()) <= 2000
     store.put("huge", [{"role": "user", "content": "z" * 3000}], {"id": "huge"})
     assert not store.items and store.chars == 0  # larger than the bound: not kept
     store.put("a", [], {"id": "a"})
@@ -219,3 +219,29 @@ def test_reasoning_effort_turns_thinking_on_and_off(client):
         assert resp.output_text == (chat.choices[0].message.content or "")
         seen.add(resp.usage.input_tokens)
     assert len(seen) == 2  # (the template renders the two differently)
+
+
+def test_a_conversation_by_previous_response_id_resumes_its_session(client):
+    """From its second turn on, a conversation continued by previous_response_id is an engine
+    session: the third turn's prompt up to the end of the second's comes from the state the
+    second parked (cached_tokens), and its reply and prompt equal the same conversation sent
+    whole (the earlier turns' output items as input), which reads it all."""
+    kw = dict(model="volundr", temperature=0.0, max_output_tokens=4,
+              extra_body={"ignore_eos": True})
+    r1 = client.responses.create(**kw, input="Which tool reads the weather?")
+    r2 = client.responses.create(**kw, input="And tomorrow?", previous_response_id=r1.id)
+    assert r2.usage.input_tokens_details.cached_tokens == 0  # (the first turn parked nothing)
+    r3 = client.responses.create(**kw, input="And after?", previous_response_id=r2.id)
+    # (at least the second turn's prompt; its reply's tokens too where the template renders
+    # them as generated)
+    assert r2.usage.input_tokens <= r3.usage.input_tokens_details.cached_tokens \
+        < r3.usage.input_tokens
+    items = [{"role": "user", "content": "Which tool reads the weather?"},
+             *[o.model_dump(exclude_none=True) for o in r1.output],
+             {"role": "user", "content": "And tomorrow?"},
+             *[o.model_dump(exclude_none=True) for o in r2.output],
+             {"role": "user", "content": "And after?"}]
+    whole = client.responses.create(**kw, input=items)
+    assert whole.usage.input_tokens_details.cached_tokens == 0
+    assert whole.usage.input_tokens == r3.usage.input_tokens
+    assert whole.output_text == r3.output_text
