@@ -258,10 +258,13 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     async def create_response(request: Request):
         call = ResponsesCall(load_json(await request.body()), responses, cfg.served_model_name)
         try:
-            req = parse_body(call.chat, ChatRequest)
+            return await respond(request, call)
         except APIError as e:  # named by the Responses field it came from
             e.param = PARAMS.get(e.param, e.param)
             raise
+
+    async def respond(request: Request, call: ResponsesCall):
+        req = parse_body(call.chat, ChatRequest)
         fan, renders = launch(req, lambda i: ChatRender(
             req, cfg.served_model_name, reasoning=cfg.reasoning_split,
             reasoning_opened=cfg.reasoning_opened, index=i))

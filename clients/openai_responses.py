@@ -28,6 +28,7 @@ PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "see
 UNSUPPORTED = ("background", "conversation", "prompt")
 # A chat field a 400 names -> the Responses field it came from
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+          "max_tokens": "max_output_tokens",
           "response_format": "text", "tools": "tools", "tool_choice": "tool_choice"}
 
 

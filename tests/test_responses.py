@@ -137,6 +137,12 @@ def test_bad_requests_are_400s(client, kw, param):
     assert client.responses.create(model="volundr", input="ok", max_output_tokens=2).output
 
 
+def test_a_prompt_too_long_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="volundr", input="forge " * 3000)
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_stored_responses(client):
     """store false: not retrievable; stored ones are, until deleted; an unknown model 404s."""
     kept = client.responses.create(model="volundr", input="a", max_output_tokens=2)
