@@ -29,7 +29,7 @@ UNSUPPORTED = ("background", "conversation", "prompt")
 # A chat field a 400 names -> the Responses field it came from
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
           "max_tokens": "max_output_tokens",
-          "response_format": "text", "tools": "tools", "tool_choice": "tool_choice"}
+          "response_format": "text", "reasoning_effort": "reasoning"}
 
 
 def _text_of(parts, where: str) -> str:
@@ -263,11 +263,9 @@ class ResponsesCall:
             chat["max_completion_tokens"] = body["max_output_tokens"]
         if (fmt := to_response_format(body.get("text"))) is not None:
             chat["response_format"] = fmt
-        effort = (body.get("reasoning") or {}).get("effort")
-        if effort is not None:  # none / minimal: no thinking; low .. high: think first
-            kw = dict(chat.get("chat_template_kwargs") or {})
-            kw.setdefault("enable_thinking", effort not in ("none", "minimal"))
-            chat["chat_template_kwargs"] = kw
+        reasoning = body.get("reasoning")
+        if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]  # (ChatRequest: thinking on / off)
         if chat.get("stream"):
             chat["stream_options"] = {"include_usage": True}
         self.chat = chat

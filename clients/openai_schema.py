@@ -204,6 +204,9 @@ class ChatRequest(_Common):
     # vLLM's: the reply continues the final (assistant) message instead of opening a new one
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's for reasoning models: none / minimal render the prompt with thinking off, low to
+    # high with it on (the template's enable_thinking; chat_template_kwargs' own value wins)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def num_logprobs(self) -> int | None:
         """Chat: `logprobs` true, with `top_logprobs` (0-20) alternatives per token."""
@@ -245,6 +248,8 @@ class ChatRequest(_Common):
         kw = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "tool_choice"}
         if (forced := self.forced_tool_choice()) is not None:
             kw["tool_choice"] = forced
+        if self.reasoning_effort is not None:
+            kw.setdefault("enable_thinking", self.reasoning_effort not in ("none", "minimal"))
         if any(self.structured_outputs()):  # the reply is the form from its first token
             kw.setdefault("enable_thinking", False)
         if not self.add_generation_prompt:

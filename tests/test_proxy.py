@@ -353,6 +353,22 @@ def test_openai_nulls_and_developer_role(serving, client):
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
+def test_reasoning_effort_is_enable_thinking(client):
+    """reasoning_effort none / minimal renders the prompt as enable_thinking false, low to high
+    as true (the two prompts differ); another value is a 400 naming it."""
+    def prompt_tokens(**kw) -> int:
+        return client.chat.completions.create(model="volundr", messages=MESSAGES, max_tokens=1,
+                                              **kw).usage.prompt_tokens
+
+    for thinking, efforts in ((False, ("none", "minimal")), (True, ("low", "high"))):
+        want = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+        assert all(prompt_tokens(reasoning_effort=e) == want for e in efforts), thinking
+    assert prompt_tokens(reasoning_effort="none") != prompt_tokens(reasoning_effort="high")
+    with pytest.raises(openai.BadRequestError) as e:
+        prompt_tokens(reasoning_effort="extreme")
+    assert e.value.param == "reasoning_effort"
+
+
 def test_named_tool_choice_is_enforced(client):
     """A prefill: the call's opening ends the prompt, so the reply is always that call (the
     tiny model's arguments are noise, and may be invalid JSON)."""

@@ -129,6 +129,7 @@ def test_text_format_json_schema(client):
     (dict(input="x", max_output_tokens=0), "max_output_tokens"),
     (dict(input="x", background=True), "background"),
     (dict(input="x", include=["message.output_text.logprobs"]), "include"),
+    (dict(input="x", reasoning={"effort": "extreme"}), "reasoning"),
 ])
 def test_bad_requests_are_400s(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
