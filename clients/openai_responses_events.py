@@ -61,7 +61,7 @@ class ResponseEvents:
         idx, out = self.items.index(it), []
         at = dict(item_id=it["id"], output_index=idx)
         if it["type"] == "message":
-            part = it["content"][0]
+            it["status"], part = "completed", it["content"][0]
             out += [self._ev("response.output_text.done", **at, content_index=0,
                              text=part["text"], logprobs=[]),
                     self._ev("response.content_part.done", **at, content_index=0, part=part)]
@@ -78,7 +78,7 @@ class ResponseEvents:
         out = []
         if self.cur is None or self.cur["type"] != kind:
             item = ({"id": new_id("msg"), "type": "message", "role": "assistant",
-                     "status": "completed",
+                     "status": "in_progress",
                      "content": [{"type": "output_text", "text": "", "annotations": [],
                                   "logprobs": []}]}
                     if kind == "message" else

@@ -71,6 +71,9 @@ def test_streamed_events_build_the_same_response(client, eos):
     assert types[-1] == "response.completed" and types[-2] == "response.output_item.done"
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert added and all(i.status == "in_progress" for i in added if i.type == "message")
+    assert all(o.status == "completed" for o in final.output if o.type == "message")
     assert deltas == final.output_text == whole.output_text != ""
     assert final.usage.output_tokens == 7 and final.id == events[0].response.id
     with client.responses.stream(**kw) as stream:
