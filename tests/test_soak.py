@@ -1,9 +1,9 @@
 """A mixed burst against the real stack (tritonserver + the proxy, the tiny drafter speculating),
 through the official `openai` SDK: greedy, seeded, penalized, structured, tool-calling,
-logprobs, n > 1, session and completions requests at once, with clients that go away mid-stream
-and bad requests among them. Every reply must be well formed and the same as that request's
-reply when it ran alone; the bad ones are 400s; afterwards the engine is idle with every KV
-block and state slot free, and serving goes on."""
+logprobs, n > 1, session, completions and Responses API requests at once, with clients that go
+away mid-stream and bad requests among them. Every reply must be well formed and the same as
+that request's reply when it ran alone; the bad ones are 400s; afterwards the engine is idle
+with every KV block and state slot free, and serving goes on."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ REQUESTS = {
                                            temperature=0.0, stop=["."])),
     "completion_logprobs": ("completion", dict(model="volundr", prompt="Iron and", max_tokens=12,
                                                temperature=0.0, logprobs=2)),
+    "response_tools": ("response", dict(model="volundr", input=msgs(10), max_output_tokens=40,
+                                        temperature=0.0, tool_choice="required", tools=[
+                                            {"type": "function", **TOOLS[0]["function"]}])),
+    "response_stream": ("response_stream", dict(model="volundr", input=msgs(11)[0]["content"],
+                                                instructions="Be brief.", temperature=0.0,
+                                                max_output_tokens=24)),
 }
 
 
@@ -58,6 +64,17 @@ async def call(c: openai.AsyncOpenAI, kind: str, kw: dict, session: str | None =
         r = await c.completions.create(**kw, **extra)
         return {"choices": [(x.text, x.finish_reason, x.logprobs and x.logprobs.tokens)
                             for x in r.choices], "usage": r.usage.completion_tokens}
+    if kind == "response":
+        r = await c.responses.create(**kw, **extra)
+        return {"output": [(o.type, getattr(o, "name", None), getattr(o, "arguments", None))
+                           for o in r.output], "text": r.output_text, "status": r.status,
+                "usage": r.usage.output_tokens}
+    if kind == "response_stream":
+        text, last = "", None
+        async for e in await c.responses.create(**kw, stream=True, **extra):
+            text += e.delta if e.type == "response.output_text.delta" else ""
+            last = e
+        return {"text": text, "final": last.response.output_text, "status": last.response.status}
     if kind == "chat_stream":
         text, finish, n = "", None, 0
         async for ch in await c.chat.completions.create(**kw, stream=True, **extra):
@@ -128,6 +145,9 @@ def test_mixed_burst(serving):
     assert calls and all(n == "quench" and isinstance(json.loads(a)["oil"], bool)
                          for n, a in calls if finish == "tool_calls")
     assert len(alone["n2"]["choices"]) == 2 and alone["streamed"]["chunks"]
+    assert alone["response_stream"]["text"] == alone["response_stream"]["final"]
+    assert any(t == "function_call" and n == "quench" for t, n, _ in
+               alone["response_tools"]["output"])
     assert alone["logprobs"]["choices"][0][3] and alone["completion_logprobs"]["choices"][0][2]
     s = wait_idle(serving.grpc_url, 60)
     assert s["running"] == 0 and s["active_requests"] == 0, s
