@@ -209,9 +209,10 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         check_model(name)
         return model_card()
 
-    def launch(req, make_render) -> tuple[FanOut, list]:
-        """The Triton requests of a chat / completion request and their renders
-        (`make_render(i)`: the render of choice i, state of its own)."""
+    async def run(request: Request, req, make_render, full=None, events=None):
+        """`make_render(i)`: the render of choice i (state of its own, one per choice). full /
+        events: what the rendered response / the stream of SSE lines become (the Responses
+        API's); as they are without."""
         check_model(req.model)
         fields = _tensors(req)
         count = req.candidates() if isinstance(req, CompletionRequest) else req.n
@@ -226,25 +227,25 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
             VolundrTriton.inputs(**{**fields, "seed": choice_seed(req.seed, i),
                                     "session_id": session if i == 0 else None}),
             request_id=f"{rid}-{i}") for i in range(count)])
-        return fan, renders
-
-    async def run(request: Request, req, make_render):
-        fan, renders = launch(req, make_render)
         if not req.stream:
-            return JSONResponse(await _collect(request, fan, renders, req.n))
+            out = await _collect(request, fan, renders, req.n)
+            return JSONResponse(out if full is None else full(out))
         try:  # the first response decides the HTTP status (e.g. 400 prompt too long)
             first = await fan.first()
         except (TritonRequestError, TritonUnavailable) as e:
             raise triton_error(e) from None
-        return EventStream(_sse(fan, first, renders), fan, media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache"})
+        lines = _sse(fan, first, renders)
+        return EventStream(lines if events is None else events(lines), fan,
+                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def chat_render(req: ChatRequest):
+        return lambda i: ChatRender(req, cfg.served_model_name, reasoning=cfg.reasoning_split,
+                                    reasoning_opened=cfg.reasoning_opened, index=i)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await request.body(), ChatRequest)
-        return await run(request, req, lambda i: ChatRender(
-            req, cfg.served_model_name, reasoning=cfg.reasoning_split,
-            reasoning_opened=cfg.reasoning_opened, index=i))
+        return await run(request, req, chat_render(req))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -257,27 +258,17 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     @app.post("/v1/responses")
     async def create_response(request: Request):
         call = ResponsesCall(load_json(await request.body()), responses, cfg.served_model_name)
+
+        def full(out: dict) -> dict:
+            choice = out["choices"][0]
+            return call.finished(choice["message"], choice["finish_reason"], out["usage"])
+
         try:
-            return await respond(request, call)
+            req = parse_body(call.chat, ChatRequest)
+            return await run(request, req, chat_render(req), full, call.events)
         except APIError as e:  # named by the Responses field it came from
             e.param = PARAMS.get(e.param, e.param)
             raise
-
-    async def respond(request: Request, call: ResponsesCall):
-        req = parse_body(call.chat, ChatRequest)
-        fan, renders = launch(req, lambda i: ChatRender(
-            req, cfg.served_model_name, reasoning=cfg.reasoning_split,
-            reasoning_opened=cfg.reasoning_opened, index=i))
-        if not req.stream:
-            out = await _collect(request, fan, renders, 1)
-            choice = out["choices"][0]
-            return call.finished(choice["message"], choice["finish_reason"], out["usage"])
-        try:
-            first = await fan.first()
-        except (TritonRequestError, TritonUnavailable) as e:
-            raise triton_error(e) from None
-        return EventStream(call.events(_sse(fan, first, renders)), fan,
-                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def stored(rid: str) -> dict:
         found = responses.get(rid)

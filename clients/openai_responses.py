@@ -42,7 +42,8 @@ def _text_of(parts, where: str) -> str:
 
 
 def _content(content, where: str):
-    """A message item's content as chat content: a string, or parts with images kept."""
+    """A message item's content as chat content: a string, or its parts as chat's (whose
+    validation joins the text parts and refuses images, volundr.chat.validate_messages)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -59,14 +60,12 @@ def _content(content, where: str):
             raise APIError(400, f"{where}.content[{j}]: parts of type {kind!r} are not supported "
                            "(input_text, output_text, input_image with an image_url)",
                            param="input")
-    if all(p["type"] == "text" for p in parts):
-        return "\n".join(p["text"] for p in parts)
     return parts
 
 
 def to_messages(inp) -> list[dict]:
     """`input` (a string or a list of items) as chat messages: message items by role
-    (developer as system), function_call items as the assistant message's tool_calls,
+    (developer is chat's system), function_call items as the assistant message's tool_calls,
     function_call_output items as tool messages, a reasoning item as the next assistant
     message's reasoning_content."""
     if isinstance(inp, str):
@@ -85,8 +84,7 @@ def to_messages(inp) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}.role must be user, assistant, system or developer, "
                                f"got {role!r}", param="input")
-            m = {"role": "system" if role == "developer" else role,
-                 "content": _content(item.get("content"), where)}
+            m = {"role": role, "content": _content(item.get("content"), where)}
             if role == "assistant" and reasoning is not None:
                 m["reasoning_content"], reasoning = reasoning, None
             msgs.append(m)
@@ -290,9 +288,12 @@ class ResponsesCall:
             "usage": usage_of(usage), "metadata": b.get("metadata") or {},
             "user": b.get("user")}
 
-    def finished(self, message: dict, finish: str | None, usage: dict | None) -> dict:
-        """The Response of a chat reply (its message), stored unless store is false."""
-        resp = self.response(output_items(message), finish, usage)
+    def finished(self, message: dict, finish: str | None, usage: dict | None,
+                 output: list[dict] | None = None) -> dict:
+        """The Response of a chat reply (its message; `output`: its items as streamed, else
+        made from the message), stored unless store is false."""
+        resp = self.response(output_items(message) if output is None else output, finish,
+                             usage)
         if resp["store"]:
             reply = {k: v for k, v in message.items() if v is not None}
             self.store.put(self.id, self.history + [reply], resp, self.session)

@@ -136,7 +136,6 @@ class ResponseEvents:
             r["error"] = {"code": self.error.get("code") or "server_error",
                           "message": self.error.get("message")}
             return out + [self._ev("response.failed", response=r)]
-        r = self.call.finished(self.message, self.finish, self.usage)
-        r["output"] = self.items  # the streamed items, ids as sent (the stored object too)
+        r = self.call.finished(self.message, self.finish, self.usage, self.items)
         kind = "response.incomplete" if r["status"] == "incomplete" else "response.completed"
         return out + [self._ev(kind, response=r)]

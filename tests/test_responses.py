@@ -168,7 +168,7 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(serving, client):
     import time
 
     import httpx
-    from test_proxy import _idle, _stats
+    from test_serving import engine_stats, wait_idle
 
     url = f"{serving.proxy_url}/v1/responses"
     body = {"model": "volundr", "input": "Tell me a long story.", "max_output_tokens": 1500,
@@ -177,7 +177,7 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(serving, client):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("event: response.") and line.endswith(".delta"):
-                during = _stats(serving.grpc_url)
+                during = engine_stats(serving.grpc_url)
                 break  # leaving the loop closes the response: the client is gone
     assert during["running"] == 1, during
     for gone in (lambda: None, lambda: httpx.post(url, json=body,
@@ -187,7 +187,7 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(serving, client):
         except httpx.ReadTimeout:
             pass
         t0 = time.monotonic()
-        after = _idle(serving.grpc_url)
+        after = wait_idle(serving.grpc_url)
         assert after["running"] == 0 and after["active_requests"] == 0, after
         assert after["num_blocks_free"] == after["num_blocks_total"], after
         assert time.monotonic() - t0 < 5
