@@ -98,3 +98,36 @@ def kept_cu(lens: torch.Tensor, L: int) -> torch.Tensor:
     block's over the kept rows; lens 0: a padding sequence, its gap over all L rows)."""
     base = torch.arange(lens.shape[0], device=lens.device) * L
     return torch.cat([lens.new_zeros(1), torch.stack([base + lens, base + L], 1).flatten()])
+
+
+def next_check(a: torch.Tensor, lens: torch.Tensor, guesses: torch.Tensor, caps: torch.Tensor,
+               stops: torch.Tensor, ngrams: torch.Tensor, ctx: torch.Tensor,
+               tables: torch.Tensor, block_size: int, pad_id: int
+               ) -> tuple[torch.Tensor, ...]:
+    """The next greedy check of n sequences after one whose rows are known only on the device
+    (a multi-step speculative step: no read back between steps). Inputs: a [n, L] the argmax
+    after each row, lens [n] the tokens counted (counted_lengths), guesses [n, L - 1] the MTP
+    head's next drafts, caps [n] / stops [n, S] the counting's limits, ngrams [n, L, M] /
+    ctx [n, L] the step's rows (check_layout's), tables [n, width] the block tables. Each
+    sequence still live (it counted tokens, none of them a stop, and may take more) checks
+    [a[i, lens - 1], guesses[i]] at the positions after its counted tokens; the others become
+    padding (q 0). Returns (q [n]: L or 0, caps [n] less the counted tokens (0 after a stop),
+    ngrams [n, L, M], slot_mapping [n, L], ctx [n, L]) as check_layout lays them out."""
+    n, L = a.shape
+    i = torch.arange(n, device=a.device)
+    last = (lens - 1).clamp(min=0)
+    tok = a[i, last]
+    stopped = (lens > 0) & (tok[:, None] == stops).any(1)
+    caps = torch.where(stopped, 0, caps - lens)
+    live = (lens > 0) & (caps > 0)
+    # row j's window: the M - 1 tokens before it (the last counted row's window ends in the
+    # token before a[lens - 1]) and its own
+    rows = torch.cat([ngrams[i, last, 1:], tok[:, None], guesses], 1)
+    win = rows.unfold(1, ngrams.shape[2], 1)  # [n, L, M]
+    pos = (ctx[:, 0] - 1 + lens)[:, None] + torch.arange(L, device=a.device)  # [n, L]
+    pos = torch.where(live[:, None], pos, 0)
+    slot = (tables[i[:, None], pos // block_size].long() * block_size + pos % block_size)
+    return (torch.where(live, L, 0), caps,
+            torch.where(live[:, None, None], win, pad_id),
+            torch.where(live[:, None], slot, -1),
+            torch.where(live[:, None], pos + 1, 1).to(ctx.dtype))

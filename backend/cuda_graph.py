@@ -298,17 +298,22 @@ class CheckGraphs:
 
     @torch.inference_mode()
     def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
-                       stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0
-                       ) -> tuple[list[list[int]], list[int], list[list[int]]]:
-        """A speculate_mtp step of greedy sequences replayed back to back with one read back:
-        the check of a layout, the acceptance on the device (check_layout.greedy_lengths, then
-        counted_lengths with each sequence's length cap and stop ids), the commit of the counted
-        rows, the MTP block over them (`mtp`: the MTP graphs, whose buffers take this layout's
-        rows masked to the counted ones), then k - 1 times over one row a sequence: its output
-        at the last row and the guess from there, one position further (speculate_mtp's
-        `mtp_chain`; block_size: the KV blocks', for the rows' slots). Returns each sequence's
-        argmax rows [L], counted lengths and k MTP guesses."""
-        from volundr.check_layout import counted_lengths, greedy_lengths, kept_cu
+                       stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0,
+                       steps: int = 1
+                       ) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
+        """`steps` speculate_mtp steps of greedy sequences replayed back to back with one read
+        back. A step: the check of a layout, the acceptance on the device
+        (check_layout.greedy_lengths, then counted_lengths with each sequence's length cap and
+        stop ids), the commit of the counted rows, the MTP block over them (`mtp`: the MTP
+        graphs, whose buffers take this layout's rows masked to the counted ones), then k - 1
+        times over one row a sequence: its output at the last row and the guess from there, one
+        position further (speculate_mtp's `mtp_chain`; block_size: the KV blocks', for the
+        rows' slots). The next step checks each sequence's last counted token and its k new
+        guesses (check_layout.next_check; a sequence that stopped or reached its cap is
+        padding from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past
+        the first check's). Returns per step each sequence's argmax rows [L], counted lengths
+        and k MTP guesses."""
+        from volundr.check_layout import counted_lengths, greedy_lengths, kept_cu, next_check
 
         n, L = len(lay["slots"]) // 2, self.L
         size = self._fill(lay)
@@ -317,50 +322,71 @@ class CheckGraphs:
         lim = (caps + [0] * (size - n) + [i for t in stops for i in (list(t) + pad)[:S]]
                + pad * (size - n))
         lim = torch.tensor(lim).pin_memory().to(self.device, non_blocking=True)
+        cap, stop = lim[:size], lim[size:].view(size, S)
+        slots = self.slots[0:2 * size:2].clone()
         g, gcm, logits, _, hidden = self.graphs[size]
-        g.replay()
-        a = logits[:Tn].argmax(dim=-1).view(size, L)
-        toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's n-gram window ends in its token)
-        lens = greedy_lengths(a, toks, self.cu[1:2 * size:2] - self.cu[0:2 * size:2])
-        lens = counted_lengths(a, lens, lim[:size], lim[size:].view(size, S))
-        cu = kept_cu(lens, L)
-        self.cu_commit[:2 * size + 1] = cu
-        gcm.replay()
-        live = (torch.arange(L, device=self.device) < lens[:, None]).flatten()
-        mtp.cu[:2 * size + 1] = cu
-        mtp.slot_mapping[:Tn] = torch.where(live, self.slot_mapping[:Tn], -1)
-        mtp.ctx[:Tn] = torch.where(live, self.ctx[:Tn], 1)
-        mtp.seq_tables[:size] = self.seq_tables[:size]
-        mtp.mtp_hidden[:Tn] = hidden[:Tn]
-        mtp.mtp_ids[:Tn] = a.flatten()  # row j is followed by the kept token j
-        mtp.mtp_last[:size] = (cu[1::2][:size] - 1).clamp(min=0)
         mg, _, guesses, _, h = mtp.graphs[size]
-        mg.replay()
-        out = [guesses[:size].clone()]
-        # the chain's rows: row 0 of each sequence at position p + m + j - 1 (p = its first
-        # row's context - 1, m its counted tokens), padding sequences masked
         first = torch.arange(size, device=self.device) * L
-        pos = torch.where(lens > 0, self.ctx[first] - 1 + lens, 0)
-        one = kept_cu((lens > 0).to(lens.dtype), L)
-        for _ in range(k - 1):
-            h_last = h[mtp.mtp_last[:size]]  # (before the buffers change)
-            slot = (self.seq_tables[torch.arange(size, device=self.device), pos // block_size]
-                    * block_size + pos % block_size)
-            mtp.cu[:2 * size + 1] = one
-            mtp.slot_mapping[:Tn] = -1
-            mtp.slot_mapping[first] = torch.where(lens > 0, slot.long(), -1)
-            mtp.ctx[:Tn] = 1
-            mtp.ctx[first] = torch.where(lens > 0, pos + 1, 1).to(mtp.ctx.dtype)
-            mtp.mtp_hidden[first] = h_last
-            mtp.mtp_ids[first] = out[-1]
-            mtp.mtp_last[:size] = first
+        res = []
+        for step in range(steps):
+            g.replay()
+            a = logits[:Tn].argmax(dim=-1).view(size, L)
+            toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's window ends in its token)
+            lens = greedy_lengths(a, toks, self.cu[1:2 * size:2] - self.cu[0:2 * size:2])
+            lens = counted_lengths(a, lens, cap, stop)
+            cu = kept_cu(lens, L)
+            self.cu_commit[:2 * size + 1] = cu
+            gcm.replay()
+            live = (torch.arange(L, device=self.device) < lens[:, None]).flatten()
+            mtp.cu[:2 * size + 1] = cu
+            mtp.slot_mapping[:Tn] = torch.where(live, self.slot_mapping[:Tn], -1)
+            mtp.ctx[:Tn] = torch.where(live, self.ctx[:Tn], 1)
+            mtp.seq_tables[:size] = self.seq_tables[:size]
+            mtp.mtp_hidden[:Tn] = hidden[:Tn]
+            mtp.mtp_ids[:Tn] = a.flatten()  # row j is followed by the kept token j
+            mtp.mtp_last[:size] = (cu[1::2][:size] - 1).clamp(min=0)
             mg.replay()
-            out.append(guesses[:size].clone())
-            pos = pos + 1
-        res = torch.cat([a[:n].flatten(), lens[:n], torch.stack(out, 1)[:n].flatten()]).tolist()
-        drafts = res[n * L + n:]
-        return ([res[i * L:(i + 1) * L] for i in range(n)], res[n * L:n * L + n],
-                [drafts[i * k:(i + 1) * k] for i in range(n)])
+            out = [a, guesses[:size].clone()]
+            # the chain's rows: row 0 of each sequence at position p + m + j - 1 (p = its
+            # first row's context - 1, m its counted tokens), padding sequences masked
+            pos = torch.where(lens > 0, self.ctx[first] - 1 + lens, 0)
+            one = kept_cu((lens > 0).to(lens.dtype), L)
+            for _ in range(k - 1):
+                h_last = h[mtp.mtp_last[:size]]  # (before the buffers change)
+                slot = (self.seq_tables[torch.arange(size, device=self.device),
+                                        pos // block_size] * block_size + pos % block_size)
+                mtp.cu[:2 * size + 1] = one
+                mtp.slot_mapping[:Tn] = -1
+                mtp.slot_mapping[first] = torch.where(lens > 0, slot.long(), -1)
+                mtp.ctx[:Tn] = 1
+                mtp.ctx[first] = torch.where(lens > 0, pos + 1, 1).to(mtp.ctx.dtype)
+                mtp.mtp_hidden[first] = h_last
+                mtp.mtp_ids[first] = out[-1]
+                mtp.mtp_last[:size] = first
+                mg.replay()
+                out.append(guesses[:size].clone())
+                pos = pos + 1
+            res.append(torch.cat([a[:n].flatten(), lens[:n],
+                                  torch.stack(out[1:], 1)[:n].flatten()]))
+            if step + 1 < steps:  # the next check's rows from this one's, on the device
+                q, cap, ngrams, slot_map, ctx = next_check(
+                    a, lens, torch.stack(out[1:], 1), cap, stop,
+                    self.ngram_ids[:Tn].view(size, L, -1), self.ctx[:Tn].view(size, L),
+                    self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id)
+                self.cu[:2 * size + 1] = kept_cu(q, L)
+                self.slots[0:2 * size:2] = torch.where(q > 0, slots, -1)
+                self.ngram_ids[:Tn] = ngrams.flatten(0, 1)
+                self.slot_mapping[:Tn] = slot_map.flatten()
+                self.ctx[:Tn] = ctx.flatten()
+        flat = torch.cat(res).tolist()
+        w = n * L + n + n * k
+        steps_out = []
+        for j in range(steps):
+            r = flat[j * w:(j + 1) * w]
+            drafts = r[n * L + n:]
+            steps_out.append(([r[i * L:(i + 1) * L] for i in range(n)], r[n * L:n * L + n],
+                              [drafts[i * k:(i + 1) * k] for i in range(n)]))
+        return steps_out
 
     def logits_of(self, n: int) -> torch.Tensor:
         """The logits of the last check of n sequences replayed ([n, L, V]: row j of sequence

@@ -58,7 +58,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (devices), one process each: volundr.distributed
     gpu_gib: float | None = None  # hard cap on each rank's CUDA allocator (the memory plan's)
     # Decode-only steps run up to this many tokens per engine step, the next input fed on the
-    # device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once.
+    # device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once. With
+    # the MTP head a greedy batch takes up to this many speculative steps so (_spec_steps).
     decode_steps: int = 1
     # The attention KV cache (main and MTP layers; KDA and conv states keep theirs): "auto" (the
     # model dtype), "bf16" / "bfloat16", "fp8" / "fp8_e4m3" (half the bytes of bf16 per token).
@@ -281,17 +282,22 @@ class LLMEngine:
         k, spec = self._speculative(batch)
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
-            if self.mtp:
-                tokens = speculate_mtp(self.runner, spec, k, self._counted, self._limits)
+            if self.mtp:  # [seq][step] tokens
+                steps = speculate_mtp(self.runner, spec, k, self._counted, self._limits,
+                                      self._spec_steps(spec, k, batch))
             else:
-                tokens = speculate(self.runner, self.drafter, spec, k, self.check_len,
-                                   self.ecfg.max_num_batched_tokens, self._counted)
-            self.spec_steps += 1
-            self.spec_seqs += len(spec)
-            self.spec_tokens += sum(map(len, tokens))
-            for item, toks in zip(spec, tokens):
+                steps = [[t] for t in speculate(self.runner, self.drafter, spec, k,
+                                                self.check_len,
+                                                self.ecfg.max_num_batched_tokens,
+                                                self._counted)]
+            self.spec_steps += max(map(len, steps))
+            tokens = [[t for toks in st for t in toks] for st in steps]
+            for item, st, toks in zip(spec, steps, tokens):
                 seq = item.seq
-                seq.spec_steps, seq.spec_tokens = seq.spec_steps + 1, seq.spec_tokens + len(toks)
+                seq.spec_steps += len(st)
+                seq.spec_tokens += len(toks)
+                self.spec_seqs += len(st)
+                self.spec_tokens += len(toks)
                 self.spec_stopped += seq.spec_steps == SPEC_TRIAL_STEPS and not self._pays(seq)
             outs = self._postprocess_steps(spec, tokens)
             batch = [it for it in batch if it not in spec]
@@ -341,6 +347,34 @@ class LLMEngine:
         for item in batch:
             bm.grow(item.seq, item.seq.num_computed_tokens + k)
         return k
+
+    def _spec_steps(self, spec: list[ScheduledSeq], k: int, batch: list[ScheduledSeq]) -> int:
+        """How many speculative steps the MTP head's greedy batch `spec` may take back to back
+        on the device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
+        speculates, every sequence is plain greedy, no waiting request could join now, none
+        would cross its trial's judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for
+        their rows are free: (steps - 1)(k + 1) positions past the step's own; those are then
+        taken). The steps stop early for nobody: one that has stopped is padding after."""
+        n, sch = self.ecfg.decode_steps, self.scheduler
+        if (n <= 1 or len(spec) < len(batch)
+                or (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
+                    and self.slots.num_free > 0)):
+            return 1
+        for item in spec:
+            s, p = item.seq, item.seq.params
+            if not p.greedy or p.adjusts_logits or s.grammar is not None or p.logprobs is not None:
+                return 1
+            if s.spec_steps < SPEC_TRIAL_STEPS:
+                n = min(n, SPEC_TRIAL_STEPS - s.spec_steps)
+            room = self.ecfg.max_model_len - s.num_computed_tokens - 2 * k
+            n = min(n, p.max_tokens - s.num_output_tokens, 1 + room // (k + 1))
+        bm = self.block_manager
+        reach = [it.seq.num_computed_tokens + (n - 1) * (k + 1) + 2 * k for it in spec]
+        if n <= 1 or sum(bm.extra_blocks(it.seq, r) for it, r in zip(spec, reach)) > bm.num_free:
+            return 1
+        for it, r in zip(spec, reach):
+            bm.grow(it.seq, r)
+        return n
 
     def _pays(self, seq: Sequence) -> bool:
         """Whether `seq` speculates: until SPEC_TRIAL_STEPS speculative steps, then while they

@@ -80,8 +80,8 @@ class LLM:
         processes over gloo); call `close()` (or use `with LLM(...)`) to stop them early —
         they also stop at exit. Scripts must guard their entry point with
         `if __name__ == "__main__":` (the workers are spawned).
-        decode_steps K > 1: decode-only steps produce up to K tokens per engine step
-        (EngineConfig.decode_steps).
+        decode_steps K > 1: decode-only steps produce up to K tokens per engine step, and
+        greedy batches speculating with the MTP head up to K steps (EngineConfig.decode_steps).
         kv_cache_dtype: "auto" (the model dtype), "bf16" or "fp8" (e4m3: about twice the KV
         tokens in a GPU budget; EngineConfig.kv_cache_dtype).
         session_gib: host memory for parked sessions (add_request's session_id;

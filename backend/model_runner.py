@@ -442,19 +442,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int, caps: list[int],
-                         stops: list[tuple[int, ...]], k: int = 1
-                         ) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
+                         stops: list[tuple[int, ...]], k: int = 1, steps: int = 1
+                         ) -> list[tuple[list[list[int]], list[int], list[list[int]]]] | None:
         """`check`, `commit` of the greedy kept tokens that count (caps[i] at most, up to the
         first of stops[i]) and `mtp` over them, then k - 1 times over its own output (the
-        guesses after the first: speculate_mtp), as one replay of graphs
-        (CheckGraphs.run_greedy_mtp: each item's argmax rows, counted lengths, k MTP guesses);
-        None where the graphs do not take the batch."""
+        guesses after the first: speculate_mtp), as one replay of graphs; `steps` such steps
+        back to back, each checking the last's guesses, with one read back
+        (CheckGraphs.run_greedy_mtp: per step each item's argmax rows, counted lengths, k MTP
+        guesses); None where the graphs do not take the batch."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
             return None
         self._init_states(batch)
         self.last_hidden = None
-        return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops, k, self.block_size)
+        return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops, k, self.block_size,
+                                steps)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -48,6 +48,11 @@ later guesses see less context, the tokens stay exactly the model's. With k > 1 
 the block then runs on its own output (`mtp_chain`, as DeepSeek-V3's MTP modules chain, one
 block reused): its output h'_i at the last kept row and the embedding of d_1 give d_2 at the
 next position, and so on; those rows' KV is rewritten when the kept rows get there.
+All-greedy batches run a step as one series of graph replays with the acceptance on the GPU,
+and several such steps back to back (the engine's decode_steps): each checks the last counted
+token and the head's new guesses, its rows made on the GPU (check_layout.next_check), one read
+back for all; a sequence that stops becomes padding. On the H100, with every guess right,
+k = 2 / 3: 304 -> 320 / 378 -> 389 tok/s (session 35).
 """
 
 from __future__ import annotations
@@ -265,14 +270,17 @@ def mtp_chain(target: ModelRunner, seqs: list[Sequence], out: list[list[int]],
 
 def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
                   counted: Callable[[Sequence, list[int]], int],
-                  limits: Callable[[Sequence], tuple[int, tuple[int, ...]]] | None = None
-                  ) -> list[list[int]]:
-    """One speculative step with the MTP head's drafts (module doc; checks of k + 1 rows: the
+                  limits: Callable[[Sequence], tuple[int, tuple[int, ...]]] | None = None,
+                  steps: int = 1) -> list[list[list[int]]]:
+    """Speculative steps with the MTP head's drafts (module doc; checks of k + 1 rows: the
     model runner's check_len) over `batch` (decoding sequences as `speculate` takes them, KV
-    blocks grown for 2k positions and k + 1). Returns each sequence's counted tokens; the
-    states then hold t_0 and the counted tokens but the last, and seq.mtp_drafts the k guesses
-    for the next step. limits(seq) -> (the most tokens it may still take, its stop ids),
-    `counted`'s rules as data: with it, all-greedy batches take the graphs' one replay
+    blocks grown for 2k positions and k + 1, and (steps - 1)(k + 1) more). Returns each
+    sequence's counted tokens per step (one step, or up to `steps` where the graphs' one
+    replay takes the batch: each step checks the last one's guesses on the device, one read
+    back for all; a sequence's list ends with its last step that counted tokens); the states
+    then hold t_0 and the counted tokens but the last, and seq.mtp_drafts the k guesses for the
+    next step. limits(seq) -> (the most tokens it may still take, its stop ids), `counted`'s
+    rules as data: with it, all-greedy batches take the graphs' one replay
     (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
     seqs = [it.seq for it in batch]
     drafts = forced_drafts(seqs, [s.mtp_drafts[:k] for s in seqs], k)
@@ -281,15 +289,17 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     if limits is not None and all(s.params.greedy and not s.params.adjusts_logits
                                   and s.grammar is None for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
-        with _appended(seqs, drafts):
-            fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k)
+        logprobs = any(s.params.logprobs is not None for s in seqs)
+        with _appended(seqs, drafts):  # (logprobs: from the one check's logits rows)
+            fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k,
+                                            1 if logprobs else steps)
         if fused is not None:
-            for s, guesses in zip(seqs, fused[2]):
+            for s, guesses in zip(seqs, fused[-1][2]):
                 s.mtp_drafts = guesses
-            out = [a[:m] for a, m in zip(fused[0], fused[1])]
-            if any(s.params.logprobs is not None for s in seqs):  # (the check's logits rows)
-                kept_logprobs(target.checks.logits_of(len(seqs)), seqs, out)
-            return out
+            out = [[a[:m] for a, m in zip(rows, lens)] for rows, lens, _ in fused]
+            if logprobs:
+                kept_logprobs(target.checks.logits_of(len(seqs)), seqs, out[0])
+            return [[step[i] for step in out if step[i]] for i in range(len(seqs))]
     with _appended(seqs, drafts):
         logits = target.check(items, L)
     hidden = target.last_hidden  # [len(seqs) L, d]: sequence i's rows from i L on
@@ -303,7 +313,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
                            [x for toks in out for x in toks])
     for s, d in zip(seqs, mtp_chain(target, seqs, out, first, k)):
         s.mtp_drafts = d
-    return out
+    return [[toks] for toks in out]
 
 
 def mtp_after_run(target: ModelRunner, batch: list[ScheduledSeq], tokens: list[int]) -> None:

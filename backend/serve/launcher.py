@@ -126,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallel over GPUs cuda:0..N-1 of this machine (2 or 4)")
     ap.add_argument("--decode-steps", type=int, help="tokens per engine step when only "
-                    "decodes run (fewer host round trips), overrides the profile's")
+                    "decodes run (fewer host round trips; speculative steps of greedy batches "
+                    "with the MTP head), overrides the profile's")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"),
                     help="attention KV cache: auto (the model dtype), bf16, or fp8 (e4m3: about "
                     "twice the KV tokens in the GPU budget); overrides the profile's")

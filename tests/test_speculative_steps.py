@@ -1,0 +1,151 @@
+"""Multi-step speculation with the MTP head (LLMEngine._spec_steps, CheckGraphs.run_greedy_mtp's
+`steps`): an all-greedy batch takes up to decode_steps speculative steps back to back on the
+device, each checking the last one's counted token and the MTP head's guesses, one read back
+for all. The next check's rows made on the device (check_layout.next_check) equal the host's
+check_layout of the advanced sequences; an engine speculating several steps at a time gives
+plain greedy's tokens and finish reasons (a stop token and max_tokens reached inside a run of
+steps; a sequence that stopped is padding after), its sessions resume to the same next turn as
+one step at a time, and its KV blocks all come back. On the CPU through test_speculative_mtp's
+eager_graphs; on CUDA through the captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+import test_speculative_mtp
+import torch
+from test_speculative import CUDA, greedy, prompts, run
+from test_speculative_mtp import eager_graphs, mtp_engine
+
+from volundr.check_layout import check_layout, next_check
+from volundr.sampling_params import SamplingParams
+from volundr.scheduler import ScheduledSeq
+from volundr.sequence import Sequence
+
+models = test_speculative_mtp.models  # (the tiny model fixture)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_next_check_equals_the_host_layout(seed):
+    """Random sequences after a check of L rows [t_0, d_1 .. d_k] with random argmax rows,
+    counted lengths (0: a sequence already padding), caps and stop ids: next_check's q, caps,
+    n-gram windows, slots and contexts == check_layout of each live sequence advanced by its
+    counted tokens and checking [its last counted token, the new guesses]; the others padding;
+    a sequence whose last counted token is a stop or whose cap runs out is no longer live."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, M, bs, pad = 6, 3, 3, 4, 1
+    L = k + 1
+    seqs, ngrams, ctx, tables = [], [], [], []
+    for i in range(n):
+        hist = torch.randint(3, 50, (int(torch.randint(1, 12, (1,), generator=g)),),
+                             generator=g).tolist()
+        s = Sequence(f"s{i}", hist + torch.randint(3, 50, (k,), generator=g).tolist(),
+                     SamplingParams())
+        s.num_computed_tokens = len(hist) - 1  # t_0 = hist[-1], then k drafts
+        s.block_table = torch.randperm(40, generator=g)[:12].tolist()
+        s.slot = i
+        lay = check_layout([ScheduledSeq(s, L)], L, bs, M, pad)
+        seqs.append(s)
+        ngrams.append(lay["ngrams"])
+        ctx.append(lay["ctx"])
+        tables.append(s.block_table)
+    caps = torch.randint(1, 8, (n,), generator=g)
+    lens = torch.minimum(torch.randint(0, L + 1, (n,), generator=g), caps)
+    lens[0] = max(int(lens[0]), 1)
+    a = torch.randint(3, 50, (n, L), generator=g)
+    for i, s in enumerate(seqs):  # the counted rows but the last kept their guesses
+        m, p0 = int(lens[i]), s.num_computed_tokens
+        a[i, :max(m - 1, 0)] = torch.tensor(s.token_ids[p0 + 1:p0 + m], dtype=torch.long)
+    stops = torch.full((n, 2), -1)
+    stops[0, 0] = a[0, int(lens[0]) - 1]  # sequence 0 counted a stop
+    guesses = torch.randint(3, 50, (n, k), generator=g)
+    q, new_caps, win, slot_map, new_ctx = next_check(
+        a, lens, guesses, caps, stops, torch.tensor(ngrams), torch.tensor(ctx, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32), bs, pad)
+    for i, s in enumerate(seqs):
+        m = int(lens[i])
+        stopped = m > 0 and int(a[i, m - 1]) in stops[i].tolist()
+        cap = 0 if stopped else int(caps[i]) - m
+        assert int(new_caps[i]) == cap
+        if m == 0 or cap <= 0:  # padding from now on
+            assert int(q[i]) == 0 and (slot_map[i] == -1).all() and (new_ctx[i] == 1).all()
+            assert (win[i] == pad).all()
+            continue
+        p0 = s.num_computed_tokens
+        kept = a[i, :m].tolist()
+        s.token_ids = s.token_ids[:p0 + 1] + kept + guesses[i].tolist()
+        s.num_computed_tokens = p0 + m
+        want = check_layout([ScheduledSeq(s, L)], L, bs, M, pad)
+        assert int(q[i]) == L
+        assert win[i].tolist() == want["ngrams"]
+        assert slot_map[i].tolist() == want["slot_mapping"]
+        assert new_ctx[i].tolist() == want["ctx"]
+
+
+def steps_engine(models, device: str, decode_steps: int, monkeypatch, k: int):
+    e = mtp_engine(models, device=device, k=k, decode_steps=decode_steps)
+    if device == "cpu":
+        eager_graphs(monkeypatch, e)
+    calls, real = [], e.runner.check_greedy_mtp
+
+    def counted_call(*a, calls=calls, real=real):
+        calls.append((a[-1] if len(a) > 5 else 1, real(*a)))
+        return calls[-1][1]
+
+    e.runner.check_greedy_mtp = counted_call
+    return e, calls
+
+
+def check_steps(models, device: str, monkeypatch, k: int, right: bool) -> None:
+    """Three greedy requests (r1 ends at a stop token of its plain greedy output, the others at
+    max_tokens; r1 and r2 in sessions) on an MTP engine one speculative step at a time and up
+    to 4 at a time: plain greedy's tokens and reasons from both, fewer engine steps with 4,
+    some of its calls ran several steps; then the sessions' next turns (their states parked
+    after steps past their ends) give the same tokens on both; every KV block and slot free
+    after."""
+    ps = prompts(3, seed=9)
+    reqs = [(f"r{i}", p, greedy(21 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
+    want, _, _ = run(mtp_engine(models, device=device), reqs)
+    reqs[1] = ("r1", ps[1], greedy(17, stop_token_ids=(want["r1"][8],)))
+    want, want_reasons, _ = run(mtp_engine(models, device=device), reqs)
+    full = {r: p + want[r] for r, p, _ in reqs}
+    results = []
+    for n in (1, 4):
+        e, calls = steps_engine(models, device, n, monkeypatch, k)
+        add = e.add_request  # r1, r2 and their next turns t1, t2: two sessions
+        e.add_request = lambda p, sp, rid, add=add: add(
+            p, sp, rid, session_id=rid[1] if rid in ("r1", "r2", "t1", "t2") else None)
+        if right:  # each draft right before every step: whole runs of steps keep every guess
+            step = e.step
+
+            def stepped(step=step, e=e):
+                for s in e.requests.values():
+                    if s.mtp_drafts and s.request_id in full:
+                        m = len(s.token_ids)
+                        s.mtp_drafts = (full[s.request_id][m:] + s.mtp_drafts)[:len(s.mtp_drafts)]
+                return step()
+
+            e.step = stepped
+        got, reasons, steps = run(e, reqs)
+        assert got == want and reasons == want_reasons, n
+        assert calls and all(c is not None for _, c in calls)
+        if n > 1:
+            assert any(s > 1 and len(c) > 1 for s, c in calls)
+        stop = reqs[1][2].stop_token_ids  # (r1's last token, never emitted)
+        more, _, _ = run(e, [("t1", full["r1"] + list(stop) + [7, 8, 9], greedy(6)),
+                             ("t2", full["r2"] + [7, 8, 9], greedy(6, ignore_eos=True))])
+        st = e.stats()
+        assert st["num_blocks_free"] == 80 and st["num_slots_free"] == 4
+        results.append((steps, more))
+    (steps1, more1), (steps4, more4) = results
+    assert more4 == more1 and steps4 < steps1
+
+
+def test_speculative_steps_on_the_cpu(models, monkeypatch):
+    check_steps(models, "cpu", monkeypatch, 2, right=True)
+    check_steps(models, "cpu", monkeypatch, 1, right=False)
+
+
+@CUDA
+@pytest.mark.parametrize("k,right", [(2, True), (3, False)])
+def test_cuda_speculative_steps(models, monkeypatch, k, right):
+    check_steps(models, "cuda", monkeypatch, k, right)
