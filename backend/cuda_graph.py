@@ -199,6 +199,8 @@ class CheckGraphs:
         self.ctx = torch.ones(T, dtype=torch.int32, **z)
         self.rows_cu = torch.arange(T + 1, dtype=torch.int32, **z)
         self.graphs: dict[int, tuple] = {}  # n -> (check graph, commit graph, logits)
+        # a perfect head's diagnostic (perf/diag_speculative.py +accept): every checked row kept
+        self.accept_all = False
         self.pool = torch.cuda.graph_pool_handle()
         for n in reversed(capture_sizes(max_n)):
             # captured with whole rows (no gaps): the host-side dispatch sees L tokens each
@@ -313,8 +315,9 @@ class CheckGraphs:
         padding from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past
         the first check's). Returns per step each sequence's argmax rows [L], counted lengths
         and k MTP guesses."""
-        from volundr.check_layout import counted_lengths, greedy_lengths, kept_cu, next_check
+        from volundr.ops import spec_ops
 
+        ops = spec_ops(self.cu)
         n, L = len(lay["slots"]) // 2, self.L
         size = self._fill(lay)
         Tn, S = size * L, max(1, *map(len, stops))
@@ -326,67 +329,68 @@ class CheckGraphs:
         slots = self.slots[0:2 * size:2].clone()
         g, gcm, logits, _, hidden = self.graphs[size]
         mg, _, guesses, _, h = mtp.graphs[size]
-        first = torch.arange(size, device=self.device) * L
-        res = []
+        mtp.seq_tables[:size] = self.seq_tables[:size]
+        toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's window ends in its token)
+        pos = torch.empty(size, dtype=torch.long, device=self.device)
+        # each step's results, read back once: argmax rows [size, L], counted lengths [size],
+        # the MTP head's k guesses [size, k]
+        w = Tn + size + size * k
+        res = torch.empty(steps, w, dtype=torch.long, device=self.device)
         for step in range(steps):
+            a, lens, out = res[step].split([Tn, size, size * k])
+            a, out = a.view(size, L), out.view(size, k)
             g.replay()
-            a = logits[:Tn].argmax(dim=-1).view(size, L)
-            toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's window ends in its token)
-            lens = greedy_lengths(a, toks, self.cu[1:2 * size:2] - self.cu[0:2 * size:2])
-            lens = counted_lengths(a, lens, cap, stop)
-            cu = kept_cu(lens, L)
-            self.cu_commit[:2 * size + 1] = cu
+            torch.argmax(logits[:Tn], dim=-1, out=a.view(Tn))
+            ops.accept_rows(a, toks, self.cu[:2 * size + 1], cap, stop, self.slot_mapping[:Tn],
+                            self.ctx[:Tn], lens, self.cu_commit[:2 * size + 1],
+                            mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],
+                            mtp.mtp_ids[:Tn], mtp.mtp_last[:size], pos, self.accept_all)
             gcm.replay()
-            live = (torch.arange(L, device=self.device) < lens[:, None]).flatten()
-            mtp.cu[:2 * size + 1] = cu
-            mtp.slot_mapping[:Tn] = torch.where(live, self.slot_mapping[:Tn], -1)
-            mtp.ctx[:Tn] = torch.where(live, self.ctx[:Tn], 1)
-            mtp.seq_tables[:size] = self.seq_tables[:size]
             mtp.mtp_hidden[:Tn] = hidden[:Tn]
-            mtp.mtp_ids[:Tn] = a.flatten()  # row j is followed by the kept token j
-            mtp.mtp_last[:size] = (cu[1::2][:size] - 1).clamp(min=0)
             mg.replay()
-            out = [a, guesses[:size].clone()]
-            # the chain's rows: row 0 of each sequence at position p + m + j - 1 (p = its
-            # first row's context - 1, m its counted tokens), padding sequences masked
-            pos = torch.where(lens > 0, self.ctx[first] - 1 + lens, 0)
-            one = kept_cu((lens > 0).to(lens.dtype), L)
-            for _ in range(k - 1):
-                h_last = h[mtp.mtp_last[:size]]  # (before the buffers change)
-                slot = (self.seq_tables[torch.arange(size, device=self.device),
-                                        pos // block_size] * block_size + pos % block_size)
-                mtp.cu[:2 * size + 1] = one
-                mtp.slot_mapping[:Tn] = -1
-                mtp.slot_mapping[first] = torch.where(lens > 0, slot.long(), -1)
-                mtp.ctx[:Tn] = 1
-                mtp.ctx[first] = torch.where(lens > 0, pos + 1, 1).to(mtp.ctx.dtype)
-                mtp.mtp_hidden[first] = h_last
-                mtp.mtp_ids[first] = out[-1]
-                mtp.mtp_last[:size] = first
+            for j in range(k - 1):  # the chain: the block over its own output, one row further
+                ops.chain_rows(lens, pos, self.seq_tables[:size], block_size, h,
+                               guesses[:size], mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn],
+                               mtp.ctx[:Tn], mtp.mtp_hidden[:Tn], mtp.mtp_ids[:Tn],
+                               mtp.mtp_last[:size], out[:, j])
                 mg.replay()
-                out.append(guesses[:size].clone())
-                pos = pos + 1
-            res.append(torch.cat([a[:n].flatten(), lens[:n],
-                                  torch.stack(out[1:], 1)[:n].flatten()]))
+            out[:, k - 1] = guesses[:size]
             if step + 1 < steps:  # the next check's rows from this one's, on the device
-                q, cap, ngrams, slot_map, ctx = next_check(
-                    a, lens, torch.stack(out[1:], 1), cap, stop,
-                    self.ngram_ids[:Tn].view(size, L, -1), self.ctx[:Tn].view(size, L),
-                    self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id)
-                self.cu[:2 * size + 1] = kept_cu(q, L)
-                self.slots[0:2 * size:2] = torch.where(q > 0, slots, -1)
-                self.ngram_ids[:Tn] = ngrams.flatten(0, 1)
-                self.slot_mapping[:Tn] = slot_map.flatten()
-                self.ctx[:Tn] = ctx.flatten()
-        flat = torch.cat(res).tolist()
-        w = n * L + n + n * k
-        steps_out = []
-        for j in range(steps):
-            r = flat[j * w:(j + 1) * w]
-            drafts = r[n * L + n:]
-            steps_out.append(([r[i * L:(i + 1) * L] for i in range(n)], r[n * L:n * L + n],
-                              [drafts[i * k:(i + 1) * k] for i in range(n)]))
-        return steps_out
+                ops.next_rows(a, lens, out, cap, stop, self.ngram_ids[:Tn], self.ctx[:Tn],
+                              self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id,
+                              slots, self.cu[:2 * size + 1], self.slots[:2 * size],
+                              self.slot_mapping[:Tn])
+        flat = res.tolist()
+        return [([r[i * L:(i + 1) * L] for i in range(n)], r[Tn:Tn + n],
+                 [r[Tn + size + i * k:Tn + size + (i + 1) * k] for i in range(n)])
+                for r in flat]
+
+    @torch.inference_mode()
+    def warm_spec_ops(self, mtp: CheckGraphs, block_size: int) -> None:
+        """Runs run_greedy_mtp's small ops (volundr.kernels.spec) once over padding rows of the
+        smallest graphs, so that their kernels compile now rather than in a request's first
+        multi-step speculation (what they write is refilled before any use)."""
+        from volundr.ops import spec_ops
+
+        ops, size, L = spec_ops(self.cu), min(self.graphs), self.L
+        Tn, z = size * L, dict(dtype=torch.long, device=self.device)
+        a, out = torch.zeros(size, L, **z), torch.zeros(size, L - 1, **z)
+        lens, pos, cap = (torch.zeros(size, **z) for _ in range(3))
+        stop = torch.full((size, 1), -1, **z)
+        ops.accept_rows(a, self.ngram_ids[:Tn, -1].view(size, L), self.cu[:2 * size + 1], cap,
+                        stop, self.slot_mapping[:Tn], self.ctx[:Tn], lens,
+                        self.cu_commit[:2 * size + 1], mtp.cu[:2 * size + 1],
+                        mtp.slot_mapping[:Tn], mtp.ctx[:Tn], mtp.mtp_ids[:Tn],
+                        mtp.mtp_last[:size], pos)
+        ops.chain_rows(lens, pos, self.seq_tables[:size], block_size, mtp.graphs[size][4],
+                       out[:, 0], mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],
+                       mtp.mtp_hidden[:Tn], mtp.mtp_ids[:Tn], mtp.mtp_last[:size], out[:, 0])
+        ops.next_rows(a, lens, out, cap, stop, self.ngram_ids[:Tn], self.ctx[:Tn],
+                      self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id,
+                      self.slots[0:2 * size:2].clone(), self.cu[:2 * size + 1],
+                      self.slots[:2 * size], self.slot_mapping[:Tn])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def logits_of(self, n: int) -> torch.Tensor:
         """The logits of the last check of n sequences replayed ([n, L, V]: row j of sequence

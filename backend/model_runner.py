@@ -137,6 +137,7 @@ class ModelRunner:
                     self.model, device, check_len, self.checks.max_n,
                     max_blocks, max_model_len, True, budget_bytes,
                     mtp=dtype)
+                self.checks.warm_spec_ops(self.mtp_graphs, self.block_size)
             except RuntimeError as e:
                 warnings.warn(f"the MTP block runs eagerly: {e}", stacklevel=2)
                 torch.cuda.empty_cache()

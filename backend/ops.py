@@ -1,7 +1,8 @@
 """The one place that decides which implementation of each op the engine runs.
 
 CUDA tensors take the Triton kernels of `volundr.kernels.<op>` (their `engine.py` modules);
-CPU tensors, or `VOLUNDR_NAIVE=1`, take the naive PyTorch references. The model calls only the
+CPU tensors, or `VOLUNDR_NAIVE=1` (or a comma list of the ops to take so), take the naive
+PyTorch references. The model calls only the
 functions below, so swapping a kernel never touches model code.
 
 Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
@@ -13,6 +14,8 @@ Shapes (T tokens of N sequences packed; `cu_seqlens` [N + 1] int32 splits them):
               CUDA.
   attention   q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D].
   lookups     ids [T, m] long (the n-gram window of each token, the token last); host tables.
+  spec_*      a greedy speculative step's work between its graph replays (kernels/spec):
+              accept_rows, chain_rows, next_rows, in place into the graphs' buffers.
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ from volundr.kernels.kda.naive import (
     naive_recurrent_kda,
 )
 from volundr.kernels.norm.naive import naive_rms_norm, naive_rms_norm_gated, naive_swiglu
+from volundr.kernels.spec import naive as spec_naive
 
 
 @functools.cache
 def _fast_module(name: str):
-    """`volundr.kernels.<name>.engine` when kernels are enabled and that module exists."""
-    if os.environ.get("VOLUNDR_NAIVE", "0") == "1":
+    """`volundr.kernels.<name>.engine` when kernels are enabled and that module exists
+    (VOLUNDR_NAIVE=1: none are; a comma list of op names, e.g. `spec`: those are not)."""
+    naive = os.environ.get("VOLUNDR_NAIVE", "0")
+    if naive == "1" or name in naive.split(","):
         return None
     modname = f"volundr.kernels.{name}.engine"
     try:
@@ -249,3 +255,9 @@ def engram_lookup(ids: torch.Tensor, tables: list[torch.Tensor], meta, cfg,
                                   meta.seeds, out)
     ids = ids.cpu()
     return _host_copy(naive_lookup(engram_rows(ids, cfg), tables), device, dtype)
+
+
+def spec_ops(x: torch.Tensor):
+    """The module whose accept_rows / chain_rows / next_rows a speculative step on x's device
+    runs (volundr.kernels.spec: Triton on CUDA, naive.py elsewhere); shapes there."""
+    return _fast(x, "spec") or spec_naive

@@ -330,6 +330,7 @@ def eager_graphs(monkeypatch, e: LLMEngine) -> None:
             r.max_model_len, True)
     r.checks = CheckGraphs(*args)
     r.mtp_graphs = CheckGraphs(*args, mtp=torch.float32)
+    r.checks.warm_spec_ops(r.mtp_graphs, r.block_size)  # (as the runner does; harmless after)
     r.max_check_seqs = 4
 
 
