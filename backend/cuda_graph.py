@@ -304,17 +304,17 @@ class CheckGraphs:
                        steps: int = 1
                        ) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
         """`steps` speculate_mtp steps of greedy sequences replayed back to back with one read
-        back. A step: the check of a layout, the acceptance on the device
-        (check_layout.greedy_lengths, then counted_lengths with each sequence's length cap and
-        stop ids), the commit of the counted rows, the MTP block over them (`mtp`: the MTP
-        graphs, whose buffers take this layout's rows masked to the counted ones), then k - 1
-        times over one row a sequence: its output at the last row and the guess from there, one
-        position further (speculate_mtp's `mtp_chain`; block_size: the KV blocks', for the
-        rows' slots). The next step checks each sequence's last counted token and its k new
-        guesses (check_layout.next_check; a sequence that stopped or reached its cap is
-        padding from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past
-        the first check's). Returns per step each sequence's argmax rows [L], counted lengths
-        and k MTP guesses."""
+        back. A step: the check of a layout, the acceptance on the device (greedy, then each
+        sequence's length cap and stop ids: accept_rows), the commit of the counted rows, the
+        MTP block over them (`mtp`: the MTP graphs, whose buffers take this layout's rows
+        masked to the counted ones), then k - 1 times over one row a sequence (chain_rows): its
+        output at the last row and the guess from there, one position further (speculate_mtp's
+        `mtp_chain`; block_size: the KV blocks', for the rows' slots). The next step checks
+        each sequence's last counted token and its k new guesses (next_rows; a sequence that
+        stopped or reached its cap is padding from then on; its KV blocks must reach
+        (steps - 1)(k + 1) + 2k positions past the first check's). The ops: volundr.ops.spec_ops
+        (Triton on CUDA). Returns per step each sequence's argmax rows [L], counted lengths and
+        k MTP guesses."""
         from volundr.ops import spec_ops
 
         ops = spec_ops(self.cu)

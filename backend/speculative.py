@@ -51,8 +51,9 @@ next position, and so on; those rows' KV is rewritten when the kept rows get the
 All-greedy batches run a step as one series of graph replays with the acceptance on the GPU,
 and several such steps back to back (the engine's decode_steps): each checks the last counted
 token and the head's new guesses, its rows made on the GPU (check_layout.next_check), one read
-back for all; a sequence that stops becomes padding. On the H100, with every guess right,
-k = 2 / 3: 304 -> 320 / 378 -> 389 tok/s (session 35).
+back for all; a sequence that stops becomes padding; the small work between the graphs runs
+as three Triton kernels (volundr.kernels.spec). On the H100, with every guess right, k = 2 /
+3: 314 -> 333 / 373 -> 400 tok/s with both (perf/RESULTS.md, session 35).
 """
 
 from __future__ import annotations
