@@ -334,6 +334,18 @@ def eager_graphs(monkeypatch, e: LLMEngine) -> None:
     r.max_check_seqs = 4
 
 
+def three_requests(models, device: str, longest: int, stop_at: int):
+    """Three greedy requests of `longest`, - 3, - 6 tokens (r0, r1, r2), r1 then ending at the
+    stop token its plain greedy output makes at index stop_at. Returns (reqs, plain greedy's
+    ids and finish reasons, each request's prompt + ids)."""
+    ps = prompts(3, seed=9)
+    reqs = [(f"r{i}", p, greedy(longest - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
+    want, _, _ = run(engine(models, device=device), reqs)
+    reqs[1] = ("r1", ps[1], greedy(17, stop_token_ids=(want["r1"][stop_at],)))
+    want, want_reasons, _ = run(engine(models, device=device), reqs)
+    return reqs, want, want_reasons, {r: p + want[r] for r, p, _ in reqs}
+
+
 def fused_and_host(models, device: str, right: bool, prepare=None, k: int = 1
                    ) -> tuple[list, dict, dict]:
     """Three greedy requests (one ending at a stop token of its plain greedy output, the others
@@ -344,12 +356,7 @@ def fused_and_host(models, device: str, right: bool, prepare=None, k: int = 1
     run (ids, finish reasons, steps, spec_tokens, spec_seqs, the drafts after every step, the
     one-replay calls' results, the MTP block's KV after every step), and plain greedy's ids
     and finish reasons."""
-    ps = prompts(3, seed=9)
-    reqs = [(f"r{i}", p, greedy(20 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
-    want, _, _ = run(engine(models, device=device), reqs)
-    reqs[1] = ("r1", ps[1], greedy(17, stop_token_ids=(want["r1"][7],)))
-    want, want_reasons, _ = run(engine(models, device=device), reqs)
-    full = {r: p + want[r] for r, p, _ in reqs}
+    reqs, want, want_reasons, full = three_requests(models, device, 20, 7)
     runs = []
     for fused in (True, False):
         e = mtp_engine(models, device=device, k=k)

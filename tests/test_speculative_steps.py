@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import test_speculative_mtp
 import torch
-from test_speculative import CUDA, greedy, prompts, run
-from test_speculative_mtp import eager_graphs, mtp_engine
+from test_speculative import CUDA, greedy, run
+from test_speculative_mtp import eager_graphs, mtp_engine, three_requests
 
 from volundr.check_layout import check_layout, next_check
 from volundr.sampling_params import SamplingParams
@@ -102,12 +102,7 @@ def check_steps(models, device: str, monkeypatch, k: int, right: bool) -> None:
     some of its calls ran several steps; then the sessions' next turns (their states parked
     after steps past their ends) give the same tokens on both; every KV block and slot free
     after."""
-    ps = prompts(3, seed=9)
-    reqs = [(f"r{i}", p, greedy(21 - 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
-    want, _, _ = run(mtp_engine(models, device=device), reqs)
-    reqs[1] = ("r1", ps[1], greedy(17, stop_token_ids=(want["r1"][8],)))
-    want, want_reasons, _ = run(mtp_engine(models, device=device), reqs)
-    full = {r: p + want[r] for r, p, _ in reqs}
+    reqs, want, want_reasons, full = three_requests(models, device, 21, 8)
     results = []
     for n in (1, 4):
         e, calls = steps_engine(models, device, n, monkeypatch, k)
