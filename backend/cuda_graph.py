@@ -301,7 +301,7 @@ class CheckGraphs:
     @torch.inference_mode()
     def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
                        stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0,
-                       steps: int = 1
+                       steps: int = 1, choose=None
                        ) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
         """`steps` speculate_mtp steps of greedy sequences replayed back to back with one read
         back. A step: the check of a layout, the acceptance on the device (greedy, then each
@@ -313,8 +313,9 @@ class CheckGraphs:
         each sequence's last counted token and its k new guesses (next_rows; a sequence that
         stopped or reached its cap is padding from then on; its KV blocks must reach
         (steps - 1)(k + 1) + 2k positions past the first check's). The ops: volundr.ops.spec_ops
-        (Triton on CUDA). Returns per step each sequence's argmax rows [L], counted lengths and
-        k MTP guesses."""
+        (Triton on CUDA). choose(logits [R, V], out [R]): each row's token (Sampler.row_chooser:
+        sampled sequences' draws; None: the argmax). Returns per step each sequence's chosen
+        rows [L], counted lengths and k MTP guesses."""
         from volundr.ops import spec_ops
 
         ops = spec_ops(self.cu)
@@ -340,7 +341,10 @@ class CheckGraphs:
             a, lens, out = res[step].split([Tn, size, size * k])
             a, out = a.view(size, L), out.view(size, k)
             g.replay()
-            torch.argmax(logits[:Tn], dim=-1, out=a.view(Tn))
+            if choose is None:
+                torch.argmax(logits[:Tn], dim=-1, out=a.view(Tn))
+            else:
+                choose(logits[:Tn], a.view(Tn))
             ops.accept_rows(a, toks, self.cu[:2 * size + 1], cap, stop, self.slot_mapping[:Tn],
                             self.ctx[:Tn], lens, self.cu_commit[:2 * size + 1],
                             mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],

@@ -59,7 +59,7 @@ class EngineConfig:
     gpu_gib: float | None = None  # hard cap on each rank's CUDA allocator (the memory plan's)
     # Decode-only steps run up to this many tokens per engine step, the next input fed on the
     # device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once. With
-    # the MTP head a greedy batch takes up to this many speculative steps so (_spec_steps).
+    # the MTP head a batch takes up to this many speculative steps so (_spec_steps).
     decode_steps: int = 1
     # The attention KV cache (main and MTP layers; KDA and conv states keep theirs): "auto" (the
     # model dtype), "bf16" / "bfloat16", "fp8" / "fp8_e4m3" (half the bytes of bf16 per token).
@@ -349,9 +349,10 @@ class LLMEngine:
         return k
 
     def _spec_steps(self, spec: list[ScheduledSeq], k: int, batch: list[ScheduledSeq]) -> int:
-        """How many speculative steps the MTP head's greedy batch `spec` may take back to back
-        on the device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
-        speculates, every sequence is plain greedy, no waiting request could join now, none
+        """How many speculative steps the MTP head's batch `spec` may take back to back on the
+        device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
+        speculates, every sequence is greedy or unseeded sampled without penalties, bias,
+        grammar or logprobs, no waiting request could join now, none
         would cross its trial's judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for
         their rows are free: (steps - 1)(k + 1) positions past the step's own; those are then
         taken). The steps stop early for nobody: one that has stopped is padding after."""
@@ -362,7 +363,8 @@ class LLMEngine:
             return 1
         for item in spec:
             s, p = item.seq, item.seq.params
-            if not p.greedy or p.adjusts_logits or s.grammar is not None or p.logprobs is not None:
+            if ((p.seed is not None and not p.greedy) or p.adjusts_logits
+                    or s.grammar is not None or p.logprobs is not None):
                 return 1
             if s.spec_steps < SPEC_TRIAL_STEPS:
                 n = min(n, SPEC_TRIAL_STEPS - s.spec_steps)

@@ -183,6 +183,11 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         torch.tensor([x.min_p for x in params], device=dev))
 
 
+def _pinned(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -205,6 +210,43 @@ class Sampler:
         ids = self._choose(logits, seqs)
         record_logprobs(raw, ids, seqs, later)
         return ids
+
+    def row_chooser(self, params: list[SamplingParams], L: int):
+        """For a speculative check of len(params) sequences x L rows (CheckGraphs.
+        run_greedy_mtp): None when every sequence is greedy (the rows' argmax), else
+        choose(logits [R, V], out [R]) writing each row's token, the argmax for greedy
+        sequences' rows and rows past theirs (padding), a draw from the row's filtered
+        distribution (exponential race, this sampler's generator) for the others. Unseeded
+        sampled sequences only: their guesses are kept while they equal the row's draw, which
+        keeps each with its probability and replaces the first dropped one by a draw from
+        the rest, as accept_sampled does (speculative module doc). Its tensors are made at the
+        first call and reused: no host round trip in a run of steps."""
+        if all(p.greedy for p in params):
+            return None
+        assert all(p.greedy or p.seed is None for p in params), "seeded rows: accept_seeded"
+        made: dict[str, torch.Tensor] = {}
+
+        def choose(logits: torch.Tensor, out: torch.Tensor) -> None:
+            if not made:
+                R = logits.shape[0]
+                rows = [params[i // L] if i // L < len(params) else None for i in range(R)]
+                cols = dict(temperature=[1.0 if p is None or p.greedy else p.temperature
+                                         for p in rows],
+                            top_p=[1.0 if p is None else p.top_p for p in rows],
+                            min_p=[0.0 if p is None else p.min_p for p in rows])
+                for name, v in cols.items():
+                    made[name] = _pinned(v, torch.float32, logits.device)
+                made["top_k"] = _pinned([0 if p is None else p.top_k for p in rows], torch.long,
+                                        logits.device)
+                made["greedy"] = _pinned([p is None or p.greedy for p in rows], torch.bool,
+                                         logits.device)
+            probs = apply_filters(logits, made["temperature"], made["top_k"], made["top_p"],
+                                  made["min_p"])
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            out.copy_(torch.where(made["greedy"], logits.argmax(dim=1),
+                                  (probs / noise).argmax(dim=1)))
+
+        return choose
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = logits.argmax(dim=1)

@@ -300,7 +300,7 @@ class _Replay:
         self.replay = fn
 
 
-def eager_graphs(monkeypatch, e: LLMEngine) -> None:
+def eager_graphs(monkeypatch, e: LLMEngine, max_n: int = 4) -> None:
     """The check, commit and MTP graphs on the CPU: CheckGraphs with every "capture" replaced
     by a function that reruns the captured step and copies its results into the tensors the
     capture returned, so that the graphs' buffer filling (`_fill`, `run_greedy_mtp`'s device
@@ -326,12 +326,12 @@ def eager_graphs(monkeypatch, e: LLMEngine) -> None:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     monkeypatch.setattr(CheckGraphs, "_capture", capture)
     r = e.runner
-    args = (r.model, r.device, e.check_len, 4, -(-r.max_model_len // r.block_size),
+    args = (r.model, r.device, e.check_len, max_n, -(-r.max_model_len // r.block_size),
             r.max_model_len, True)
     r.checks = CheckGraphs(*args)
     r.mtp_graphs = CheckGraphs(*args, mtp=torch.float32)
     r.checks.warm_spec_ops(r.mtp_graphs, r.block_size)  # (as the runner does; harmless after)
-    r.max_check_seqs = 4
+    r.max_check_seqs = max_n
 
 
 def three_requests(models, device: str, longest: int, stop_at: int):

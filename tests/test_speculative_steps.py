@@ -1,19 +1,23 @@
 """Multi-step speculation with the MTP head (LLMEngine._spec_steps, CheckGraphs.run_greedy_mtp's
-`steps`): an all-greedy batch takes up to decode_steps speculative steps back to back on the
-device, each checking the last one's counted token and the MTP head's guesses, one read back
-for all. The next check's rows made on the device (check_layout.next_check) equal the host's
-check_layout of the advanced sequences; an engine speculating several steps at a time gives
-plain greedy's tokens and finish reasons (a stop token and max_tokens reached inside a run of
-steps; a sequence that stopped is padding after), its sessions resume to the same next turn as
-one step at a time, and its KV blocks all come back. On the CPU through test_speculative_mtp's
-eager_graphs; on CUDA through the captured graphs."""
+`steps`): a batch of greedy (or unseeded sampled) sequences takes up to decode_steps
+speculative steps back to back on the device, each checking the last one's counted token and
+the MTP head's guesses, one read back for all. The next check's rows made on the device
+(check_layout.next_check) equal the host's check_layout of the advanced sequences; an engine
+speculating several steps at a time gives plain greedy's tokens and finish reasons (a stop
+token and max_tokens reached inside a run of steps; a sequence that stopped is padding
+after), its sessions resume to the same next turn as one step at a time, and its KV blocks
+all come back; sampled requests keep the model's distribution. On the CPU through
+test_speculative_mtp's eager_graphs; on CUDA through the captured graphs."""
 
 from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import test_speculative_mtp
 import torch
-from test_speculative import CUDA, greedy, run
+from test_speculative import CUDA, first_three, greedy, run, total_variation
 from test_speculative_mtp import eager_graphs, mtp_engine, three_requests
 
 from volundr.check_layout import check_layout, next_check
@@ -81,10 +85,11 @@ def test_next_check_equals_the_host_layout(seed):
         assert new_ctx[i].tolist() == want["ctx"]
 
 
-def steps_engine(models, device: str, decode_steps: int, monkeypatch, k: int):
-    e = mtp_engine(models, device=device, k=k, decode_steps=decode_steps)
+def steps_engine(models, device: str, decode_steps: int, monkeypatch, k: int, seqs: int = 4):
+    e = mtp_engine(models, device=device, k=k, decode_steps=decode_steps, max_num_seqs=seqs,
+                   num_kv_blocks=20 * seqs, max_num_batched_tokens=16 * seqs)
     if device == "cpu":
-        eager_graphs(monkeypatch, e)
+        eager_graphs(monkeypatch, e, seqs)
     calls, real = [], e.runner.check_greedy_mtp
 
     def counted_call(*a, calls=calls, real=real):
@@ -138,6 +143,38 @@ def check_steps(models, device: str, monkeypatch, k: int, right: bool) -> None:
 def test_speculative_steps_on_the_cpu(models, monkeypatch):
     check_steps(models, "cpu", monkeypatch, 2, right=True)
     check_steps(models, "cpu", monkeypatch, 1, right=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_sampled_steps_follow_the_model_distribution(models, monkeypatch, device):
+    """Unseeded sampled requests (temperature 0.8, top-k 3) on the graphs' path, up to 4 steps
+    at a time, k = 2: each row's token drawn on the device, a guess kept while it equals its
+    row's draw; the empirical distribution of the first three tokens of 2000 requests matches
+    the model's exact one (float32) as closely as sampling noise allows (0.04; bound 0.1; on
+    CUDA the model runs in bf16). Keeping every guess makes triples the model cannot."""
+    prompt, params, exact = first_three(models)
+    e, calls = steps_engine(models, device, 4, monkeypatch, 2, seqs=16)
+    # the tiny MTP head's own guesses are never drawn: every guess is the token most likely
+    # third instead (any guess keeps the distribution; this one is kept often). The first
+    # check after the prompt has no guess yet; so 4 tokens, the first three compared.
+    mass: dict[int, float] = {}
+    for t, p in exact.items():
+        mass[t[2]] = mass.get(t[2], 0.0) + p
+    c = max(mass, key=mass.get)
+    params = dataclasses.replace(params, max_tokens=4)
+    for size, (g, gcm, guesses, stash, h) in list(e.runner.mtp_graphs.graphs.items()):
+        def replay(g=g, guesses=guesses):
+            g.replay()
+            guesses.fill_(c)
+        e.runner.mtp_graphs.graphs[size] = (SimpleNamespace(replay=replay), gcm, guesses, stash,
+                                            h)
+    n = 2000
+    ids, _, _ = run(e, [(f"s{i}", prompt, params) for i in range(n)])
+    tv = total_variation({r: t[:3] for r, t in ids.items()}, exact)
+    st = e.stats()
+    assert calls and all(c is not None for _, c in calls) and any(len(c) > 1 for _, c in calls)
+    assert st["spec_seqs"] >= n and st["spec_tokens"] - st["spec_seqs"] > n // 10, st  # kept
+    assert tv < 0.1, tv
 
 
 @CUDA
