@@ -21,6 +21,7 @@ from test_speculative import CUDA, first_three, greedy, run, total_variation
 from test_speculative_mtp import eager_graphs, mtp_engine, three_requests
 
 from volundr.check_layout import check_layout, next_check
+from volundr.model_runner import MAX_CHECK_SEQS
 from volundr.sampling_params import SamplingParams
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
@@ -153,7 +154,7 @@ def test_sampled_steps_follow_the_model_distribution(models, monkeypatch, device
     the model's exact one (float32) as closely as sampling noise allows (0.04; bound 0.1; on
     CUDA the model runs in bf16). Keeping every guess makes triples the model cannot."""
     prompt, params, exact = first_three(models)
-    e, calls = steps_engine(models, device, 4, monkeypatch, 2, seqs=16)
+    e, calls = steps_engine(models, device, 4, monkeypatch, 2, seqs=MAX_CHECK_SEQS)
     # the tiny MTP head's own guesses are never drawn: every guess is the token most likely
     # third instead (any guess keeps the distribution; this one is kept often). The first
     # check after the prompt has no guess yet; so 4 tokens, the first three compared.
