@@ -303,19 +303,19 @@ class CheckGraphs:
                        stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0,
                        steps: int = 1, choose=None
                        ) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
-        """`steps` speculate_mtp steps of greedy sequences replayed back to back with one read
-        back. A step: the check of a layout, the acceptance on the device (greedy, then each
-        sequence's length cap and stop ids: accept_rows), the commit of the counted rows, the
-        MTP block over them (`mtp`: the MTP graphs, whose buffers take this layout's rows
-        masked to the counted ones), then k - 1 times over one row a sequence (chain_rows): its
-        output at the last row and the guess from there, one position further (speculate_mtp's
-        `mtp_chain`; block_size: the KV blocks', for the rows' slots). The next step checks
-        each sequence's last counted token and its k new guesses (next_rows; a sequence that
-        stopped or reached its cap is padding from then on; its KV blocks must reach
-        (steps - 1)(k + 1) + 2k positions past the first check's). The ops: volundr.ops.spec_ops
-        (Triton on CUDA). choose(logits [R, V], out [R]): each row's token (Sampler.row_chooser:
-        sampled sequences' draws; None: the argmax). Returns per step each sequence's chosen
-        rows [L], counted lengths and k MTP guesses."""
+        """`steps` speculate_mtp steps of greedy (or unseeded sampled: `choose`) sequences
+        replayed back to back with one read back. A step: the check of a layout; each row's
+        token and the acceptance on the device, then each sequence's length cap and stop ids
+        (accept_rows); the commit of the counted rows; the MTP block over them (`mtp`: the MTP
+        graphs, whose buffers take this layout's rows masked to the counted ones); then k - 1
+        times over one row a sequence (chain_rows): its output at the last row and the guess
+        from there, one position further (speculate_mtp's `mtp_chain`; block_size: the KV
+        blocks', for the rows' slots). The next step checks each sequence's last counted token
+        and its k new guesses (next_rows; a sequence that stopped or reached its cap is padding
+        from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past the first
+        check's). The ops: volundr.ops.spec_ops (Triton on CUDA). choose(logits [R, V], out
+        [R]): each row's token (Sampler.row_chooser; None: the argmax). Returns per step each
+        sequence's chosen rows [L], counted lengths and k MTP guesses."""
         from volundr.ops import spec_ops
 
         ops = spec_ops(self.cu)
@@ -333,7 +333,7 @@ class CheckGraphs:
         mtp.seq_tables[:size] = self.seq_tables[:size]
         toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's window ends in its token)
         pos = torch.empty(size, dtype=torch.long, device=self.device)
-        # each step's results, read back once: argmax rows [size, L], counted lengths [size],
+        # each step's results, read back once: chosen rows [size, L], counted lengths [size],
         # the MTP head's k guesses [size, k]
         w = Tn + size + size * k
         res = torch.empty(steps, w, dtype=torch.long, device=self.device)

@@ -352,10 +352,10 @@ class LLMEngine:
         """How many speculative steps the MTP head's batch `spec` may take back to back on the
         device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
         speculates, every sequence is greedy or unseeded sampled without penalties, bias,
-        grammar or logprobs, no waiting request could join now, none
-        would cross its trial's judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for
-        their rows are free: (steps - 1)(k + 1) positions past the step's own; those are then
-        taken). The steps stop early for nobody: one that has stopped is padding after."""
+        grammar or logprobs, no waiting request could join now, none would cross its trial's
+        judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for their rows are free:
+        (steps - 1)(k + 1) positions past the step's own; those are then taken). The steps stop
+        early for nobody: one that has stopped is padding after."""
         n, sch = self.ecfg.decode_steps, self.scheduler
         if (n <= 1 or len(spec) < len(batch)
                 or (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs

@@ -285,8 +285,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     then hold t_0 and the counted tokens but the last, and seq.mtp_drafts the k guesses for the
     next step. limits(seq) -> (the most tokens it may still take, its stop ids), `counted`'s
     rules as data: with it, batches of greedy and unseeded sampled sequences take the graphs'
-    one replay
-    (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
+    one replay (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
     seqs = [it.seq for it in batch]
     drafts = forced_drafts(seqs, [s.mtp_drafts[:k] for s in seqs], k)
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
