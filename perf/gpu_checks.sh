@@ -38,6 +38,7 @@ if [ "$PART" != bench ]; then
     tests/test_triton_only.py tests/test_gemv_chain.py tests/test_gemv_i8.py tests/test_gemv_i8_rows.py \
     tests/test_residual_fold.py \
     tests/test_kv_cache_dtype.py tests/test_sessions.py tests/test_speculative.py tests/test_speculative_mtp.py \
+    tests/test_speculative_steps.py tests/test_kernels_spec.py \
     tests/test_penalties.py tests/test_structured.py tests/test_kda_rows.py tests/test_kda_low_rank.py \
     tests/test_kernels_kda.py"}
   # shellcheck disable=SC2086
