@@ -4,7 +4,7 @@ A check runs up to L tokens of each of n sequences with the recurrent states rea
 commit then advances them over the tokens each sequence keeps. Rows are laid out L per sequence
 (row i * L + j: sequence i's token j). The recurrent kernels see 2n sequences: each real one
 followed by a gap over its unused rows (slot -1, which they skip), so one set of shapes serves
-any lengths, and the captured graphs (cuda_graph.CheckGraphs) any step. Attention sees one
+any lengths, and the captured graphs (check_graphs.CheckGraphs) any step. Attention sees one
 query row per token (`ForwardBatch.rows`): row j of a sequence at position p attends to the
 cache up to p + j, its own K/V stored just before.
 """

@@ -120,7 +120,7 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.max_check_seqs = num_slots  # eager checks take any batch; graphs up to their size
         if self.graphs is not None and check_len > 1:
-            from volundr.cuda_graph import CheckGraphs
+            from volundr.check_graphs import CheckGraphs
 
             try:
                 self.checks = CheckGraphs(

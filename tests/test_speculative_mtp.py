@@ -305,7 +305,7 @@ def eager_graphs(monkeypatch, e: LLMEngine, max_n: int = 4) -> None:
     by a function that reruns the captured step and copies its results into the tensors the
     capture returned, so that the graphs' buffer filling (`_fill`, `run_greedy_mtp`'s device
     acceptance and masks) runs as on CUDA, in float32."""
-    from volundr.cuda_graph import CheckGraphs
+    from volundr.check_graphs import CheckGraphs
 
     def capture(self, n, b, bc):
         logits, stash, hidden = self._check(b)

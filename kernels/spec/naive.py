@@ -1,5 +1,5 @@
 """A greedy speculative step's small device work between its graph replays
-(volundr.cuda_graph.CheckGraphs.run_greedy_mtp), in PyTorch: the reference of engine.py's Triton
+(volundr.check_graphs.CheckGraphs.run_greedy_mtp), in PyTorch: the reference of engine.py's Triton
 kernels, and what the CPU runs.
 
 Rows as volundr.check_layout lays them out: n sequences x L rows (row i L + j: sequence i's
