@@ -188,9 +188,11 @@ def session_turn(engine: LLMEngine, prompt_len: int, new_tokens: int = 64) -> di
             "resumed_ttft_s": resumed_s, "speedup": scratch_s / resumed_s}
 
 
-def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int) -> dict:
-    """tok/s over the decode steps only (prefill excluded), `batch` requests at once."""
-    p = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, tokens: int,
+                temperature: float = 0.0) -> dict:
+    """tok/s over the decode steps only (prefill excluded), `batch` requests at once (greedy,
+    or sampled unseeded at `temperature`)."""
+    p = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         ids = torch.randint(16, engine.cfg.vocab_size, (prompt_len,), generator=g).tolist()

@@ -11,6 +11,7 @@
         (each step's wall time against its GPU busy time, host lead / tail, idle gaps)
         (under PDL a kernel's time includes its early start's wait: VOLUNDR_PDL=0 for times
         that add up; the launch counts hold either way)
+    python3 perf/diag_speculative.py --variant mixed@8+mtp+accept+k2+sampled  # temperature 0.8
     python3 perf/diag_speculative.py --variant mixed@8+mtp+accept+k2 --replays
         (no profiler: each graph replay in a step between CUDA events, against the same graph
         replayed back to back, and the host's time in replay())
@@ -25,13 +26,15 @@ graph alone (GPU only).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import time
 from collections import defaultdict
 
 import torch
-from bench_decode import build, decode_rate, graph_ms, replay_ms, sync
+from bench_decode import build, graph_ms, replay_ms, sync
+from bench_decode import decode_rate as bench_rate
 from step_gaps import trace_steps
 
 import volundr.speculative as spec
@@ -61,7 +64,7 @@ def right_guesses(e, tokens: int) -> None:
         return outs
 
     e.step = collect
-    decode_rate(e, 1, 128, tokens)
+    bench_rate(e, 1, 128, tokens)
 
     def right():
         for s in e.requests.values():
@@ -175,6 +178,7 @@ def main() -> None:
         e.runner.mtp_graphs = None
     if "host" in flags:
         e.runner.check_greedy_mtp = lambda *a: None
+    decode_rate = functools.partial(bench_rate, temperature=0.8 if "sampled" in sfx else 0.0)
     decode_rate(e, 1, 128, 8)  # warm-up (the drafter's prefill at the timed prompt's length too)
     if "right" in flags:
         right_guesses(e, args.tokens)
