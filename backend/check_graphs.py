@@ -147,7 +147,7 @@ class CheckGraphs:
     @torch.inference_mode()
     def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
                        stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0,
-                       steps: int = 1, choose=None
+                       steps: int = 1, choose=None, record=None
                        ) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
         """`steps` speculate_mtp steps of greedy (or unseeded sampled: `choose`) sequences
         replayed back to back with one read back. A step: the check of a layout; each row's
@@ -160,8 +160,9 @@ class CheckGraphs:
         and its k new guesses (next_rows; a sequence that stopped or reached its cap is padding
         from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past the first
         check's). The ops: volundr.ops.spec_ops (Triton on CUDA). choose(logits [R, V], out
-        [R]): each row's token (Sampler.row_chooser; None: the argmax). Returns per step each
-        sequence's chosen rows [L], counted lengths and k MTP guesses."""
+        [R]): each row's token (Sampler.row_chooser; None: the argmax). record(logits [R, V],
+        chosen [size, L]): called after each check (before the next one overwrites its logits).
+        Returns per step each sequence's chosen rows [L], counted lengths and k MTP guesses."""
         from volundr.ops import spec_ops
 
         ops = spec_ops(self.cu)
@@ -191,6 +192,8 @@ class CheckGraphs:
                 torch.argmax(logits[:Tn], dim=-1, out=a.view(Tn))
             else:
                 choose(logits[:Tn], a.view(Tn))
+            if record is not None:
+                record(logits[:Tn], a)
             ops.accept_rows(a, toks, self.cu[:2 * size + 1], cap, stop, self.slot_mapping[:Tn],
                             self.ctx[:Tn], lens, self.cu_commit[:2 * size + 1],
                             mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],
@@ -241,12 +244,6 @@ class CheckGraphs:
                       self.slots[:2 * size], self.slot_mapping[:Tn])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def logits_of(self, n: int) -> torch.Tensor:
-        """The logits of the last check of n sequences replayed ([n, L, V]: row j of sequence
-        i; valid until the next check)."""
-        logits = self.graphs[self._size(n)][2]
-        return logits[:n * self.L].view(n, self.L, -1)
 
     def _fill(self, lay: dict[str, list]) -> int:
         """The static buffers of a layout's graph; returns its size (sequences)."""

@@ -351,8 +351,8 @@ class LLMEngine:
     def _spec_steps(self, spec: list[ScheduledSeq], k: int, batch: list[ScheduledSeq]) -> int:
         """How many speculative steps the MTP head's batch `spec` may take back to back on the
         device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
-        speculates, every sequence is greedy or unseeded sampled without penalties, bias,
-        grammar or logprobs, no waiting request could join now, none would cross its trial's
+        speculates, every sequence is greedy or unseeded sampled without penalties, bias or
+        grammar, no waiting request could join now, none would cross its trial's
         judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for their rows are free:
         (steps - 1)(k + 1) positions past the step's own; those are then taken). The steps stop
         early for nobody: one that has stopped is padding after."""
@@ -363,8 +363,7 @@ class LLMEngine:
             return 1
         for item in spec:
             s, p = item.seq, item.seq.params
-            if ((p.seed is not None and not p.greedy) or p.adjusts_logits
-                    or s.grammar is not None or p.logprobs is not None):
+            if (p.seed is not None and not p.greedy) or p.adjusts_logits or s.grammar is not None:
                 return 1
             if s.spec_steps < SPEC_TRIAL_STEPS:
                 n = min(n, SPEC_TRIAL_STEPS - s.spec_steps)

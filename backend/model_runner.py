@@ -443,7 +443,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int, caps: list[int],
-                         stops: list[tuple[int, ...]], k: int = 1, steps: int = 1
+                         stops: list[tuple[int, ...]], k: int = 1, steps: int = 1,
+                         record=None
                          ) -> list[tuple[list[list[int]], list[int], list[list[int]]]] | None:
         """`check`, `commit` of the kept tokens that count (caps[i] at most, up to the first of
         stops[i]) and `mtp` over them, then k - 1 times over its own output (the guesses after
@@ -451,7 +452,9 @@ class ModelRunner:
         each checking the last's guesses, with one read back (CheckGraphs.run_greedy_mtp: per
         step each item's chosen rows, counted lengths, k MTP guesses); None where the graphs do
         not take the batch. Greedy items keep guesses equal to the rows' argmax, unseeded
-        sampled ones those equal to the rows' draws (Sampler.row_chooser)."""
+        sampled ones those equal to the rows' draws (Sampler.row_chooser). record(logits,
+        chosen): called after each step's check (its logits rows, chosen rows), e.g. for
+        logprobs."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
             return None
@@ -459,7 +462,7 @@ class ModelRunner:
         self.last_hidden = None
         choose = self.sampler.row_chooser([it.seq.params for it in batch], L)
         return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops, k, self.block_size,
-                                steps, choose)
+                                steps, choose, record)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

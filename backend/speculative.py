@@ -218,6 +218,39 @@ def kept_logprobs(raw: torch.Tensor, seqs: list[Sequence], out: list[list[int]])
                         [seqs[a] for a, _ in lp_rows])
 
 
+def _row_logprobs(seqs: list[Sequence], L: int, device: torch.device):
+    """(record, recorded) for the graphs' steps (CheckGraphs.run_greedy_mtp's `record`): each
+    step's logprobs of every checked row of the sequences asking (params.logprobs), from the
+    check's raw logits, left on the device in `recorded` (one entry a step); (None, []) when
+    none asks."""
+    asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not asking:
+        return None, []
+    rows = [i * L + j for i in asking for j in range(L)]
+    idx = torch.tensor(rows)
+    if device.type == "cuda":  # (made once: no host round trip between the steps)
+        idx = idx.pin_memory().to(device, non_blocking=True)
+    row_seqs = [seqs[i] for i in asking for _ in range(L)]
+    recorded: list = []
+
+    def record(logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        record_logprobs(logits[idx], chosen.flatten()[idx], row_seqs, recorded)
+
+    return record, recorded
+
+
+def _append_counted(rec: tuple, seqs: list[Sequence], lens: list[int], L: int) -> None:
+    """One step's recorded row logprobs (_row_logprobs) onto the sequences asking, for their
+    first lens[i] rows (the tokens that count)."""
+    _, chosen, top_lp, top_id = (x.tolist() if torch.is_tensor(x) else x for x in rec)
+    asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    for q, i in enumerate(asking):
+        n = seqs[i].params.logprobs
+        for j in range(lens[i]):
+            r = q * L + j
+            seqs[i].logprobs.append((chosen[r], list(zip(top_id[r][:n], top_lp[r][:n]))))
+
+
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
               L: int, chunk: int, counted: Callable[[Sequence, list[int]], int]
               ) -> list[list[int]]:
@@ -294,16 +327,15 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
                                   and not s.params.adjusts_logits and s.grammar is None
                                   for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
-        logprobs = any(s.params.logprobs is not None for s in seqs)
-        with _appended(seqs, drafts):  # (logprobs: from the one check's logits rows)
-            fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k,
-                                            1 if logprobs else steps)
+        record, recorded = _row_logprobs(seqs, L, target.device)
+        with _appended(seqs, drafts):
+            fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k, steps, record)
         if fused is not None:
             for s, guesses in zip(seqs, fused[-1][2]):
                 s.mtp_drafts = guesses
             out = [[a[:m] for a, m in zip(rows, lens)] for rows, lens, _ in fused]
-            if logprobs:
-                kept_logprobs(target.checks.logits_of(len(seqs)), seqs, out[0])
+            for (_, lens, _), rec in zip(fused, recorded):  # the counted rows' logprobs
+                _append_counted(rec, seqs, lens, L)
             return [[step[i] for step in out if step[i]] for i in range(len(seqs))]
     with _appended(seqs, drafts):
         logits = target.check(items, L)

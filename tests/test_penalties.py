@@ -241,8 +241,9 @@ def test_logprobs_are_the_model_log_softmax(models, drafter, monkeypatch):  # no
     """logprobs=k: each new token's log-probability under the model's raw logits (the
     independent reference's log-softmax after the tokens before it, penalties not applied)
     and the k most likely tokens', sorted; 0: the token's alone; the requests speculate (a
-    drafter, the MTP head: each kept token's row of the check; its one-replay greedy step
-    through the graphs' paths on the CPU, eager_graphs) or, without one, take multi-step
+    drafter, the MTP head: each kept token's row of the check; its one-replay greedy steps,
+    several a read back, through the graphs' paths on the CPU, eager_graphs) or, without
+    one, take multi-step
     decode (4 tokens a step, the values read back with them), and give the tokens they give
     without logprobs."""
     from test_speculative_mtp import eager_graphs
@@ -274,8 +275,9 @@ def test_logprobs_are_the_model_log_softmax(models, drafter, monkeypatch):  # no
     st = e.stats()  # (the self-drafter's guesses are kept at times; the random head's not)
     if drafter is None:
         assert most == 4 and not st["spec_seqs"]  # multi-step decode
-    elif drafter == "mtp-graphs":  # (the greedy request's steps alone: the one replay)
-        assert st["spec_seqs"] and any(f is not None for f in fused)
+    elif drafter == "mtp-graphs":  # (the greedy request's steps alone: the one replay, and
+        # runs of steps with their rows' logprobs recorded on the device)
+        assert st["spec_seqs"] and any(f is not None and len(f) > 1 for f in fused)
     else:
         assert st["spec_tokens"] > st["spec_seqs"] > 0 if drafter == "self" else st["spec_seqs"]
     plain, _, _ = run(engine(models), [(r, p, SamplingParams(**{

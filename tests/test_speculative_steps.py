@@ -94,7 +94,7 @@ def steps_engine(models, device: str, decode_steps: int, monkeypatch, k: int, se
     calls, real = [], e.runner.check_greedy_mtp
 
     def counted_call(*a, calls=calls, real=real):
-        calls.append((a[-1] if len(a) > 5 else 1, real(*a)))
+        calls.append((a[5] if len(a) > 5 else 1, real(*a)))  # (steps asked, the result)
         return calls[-1][1]
 
     e.runner.check_greedy_mtp = counted_call
