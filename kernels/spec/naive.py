@@ -1,11 +1,12 @@
-"""A greedy speculative step's small device work between its graph replays
-(volundr.check_graphs.CheckGraphs.run_greedy_mtp), in PyTorch: the reference of engine.py's Triton
-kernels, and what the CPU runs.
+"""A speculative step's small device work between its graph replays
+(volundr.check_graphs.CheckGraphs.run_greedy_mtp), in PyTorch: the reference of engine.py's
+Triton kernels, and what the CPU runs.
 
 Rows as volundr.check_layout lays them out: n sequences x L rows (row i L + j: sequence i's
 token j; L = k + 1 for k guesses), cu [2n + 1] (each sequence's rows, then its gap), slots
 [2n] ((slot, -1) per sequence), slot_mapping / ngram_ids / ctx per row. Per step:
-  accept_rows  after the check: its argmax rows a [n, L] -> the counted lengths, the commit's
+  accept_rows  after the check: its chosen rows a [n, L] (the argmax, or sampled sequences'
+               draws) -> the counted lengths (guesses kept while equal to them), the commit's
                cu and the MTP block's inputs over the counted rows;
   chain_rows   before each further MTP guess: the block's one row a sequence at the next
                position, over its own output there;
@@ -83,7 +84,7 @@ def accept_rows(a: torch.Tensor, toks: torch.Tensor, cu: torch.Tensor, cap: torc
                 lens: torch.Tensor, cu_commit: torch.Tensor, m_cu: torch.Tensor,
                 m_slot: torch.Tensor, m_ctx: torch.Tensor, m_ids: torch.Tensor,
                 m_last: torch.Tensor, pos: torch.Tensor, accept_all: bool = False) -> None:
-    """After a check of n sequences: a [n, L] its argmax rows, toks [n, L] the rows' tokens,
+    """After a check of n sequences: a [n, L] its chosen rows, toks [n, L] the rows' tokens,
     cu [2n + 1] its layout, cap [n] / stop [n, S] the counting's limits, slot_mapping / ctx
     [n L] its rows'. Writes lens [n] (the tokens counted: greedy acceptance, then
     counted_lengths; accept_all: every checked row kept, a perfect head's diagnostic),
