@@ -315,7 +315,43 @@ def plot_mtp_depth_h200(out: Path) -> None:
                1e3 / runs[1]["decode_graph_ms"],
                "Volundr-32B mixed, MTP drafts, H200 (runs 139, 141)")
 
+def plot_spec_glue(out: Path) -> None:
+    """A perfect MTP head's single stream on the H100 (session 35, run 150): one speculative
+    step a read back or up to 8 (decode_steps), the work between the graphs as PyTorch ops or
+    the three Triton kernels, against the graphs' own bound ((k + 1) tokens per the check,
+    commit and k MTP replays)."""
+    res = HERE / "results"
+    cases = [("1", "torch", "1 step / read back,\nPyTorch glue"),
+             ("1", "triton", "1 step,\nTriton glue"), ("8", "torch", "8 steps,\nPyTorch glue"),
+             ("8", "triton", "8 steps,\nTriton glue")]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.2
+    for x, k in enumerate((2, 3)):
+        runs = [json.loads((res / f"spec_glue_{g}_mixed_{s}_mtp_accept_k{k}_run150.json")
+                           .read_text()) for s, g, _ in cases]
+        for i, r in enumerate(runs):
+            v = r["untimed"]["tok_per_s"]
+            ax.bar(x + (i - 1.5) * width, v, width, color=f"C{i}",
+                   label=cases[i][2] if x == 0 else None)
+            ax.text(x + (i - 1.5) * width, v + 3, f"{v:.0f}", ha="center", fontsize=8)
+        r = runs[-1]
+        graphs = (r["checks_graph_ms"] + r["checks_commit_graph_ms"]
+                  + k * r["mtp_graphs_graph_ms"])
+        bound = (k + 1) * 1e3 / graphs
+        ax.hlines(bound, x - 2 * width, x + 2 * width, colors="k", linestyles="dashed",
+                  label="graphs alone" if x == 0 else None)
+    ax.set_xticks([0, 1], ["k = 2", "k = 3"])
+    ax.set_ylabel("tok/s, one stream (every guess kept)")
+    ax.set_ylim(250, 440)
+    ax.set_title("Volundr-32B mixed, MTP head, H100 (run 150)")
+    ax.legend(fontsize=8, loc="upper left", ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
+    plot_spec_glue(HERE / "spec_steps_h100.png")
     plot_mtp_depth(HERE / "mtp_depth_h100.png")
     plot_mtp_depth_h200(HERE / "mtp_depth_h200.png")
     plot_speculative(HERE / "speculative_h100.png")
