@@ -115,7 +115,7 @@ def check_steps(models, device: str, monkeypatch, k: int, right: bool) -> None:
         add = e.add_request  # r1, r2 and their next turns t1, t2: two sessions
         e.add_request = lambda p, sp, rid, add=add: add(
             p, sp, rid, session_id=rid[1] if rid in ("r1", "r2", "t1", "t2") else None)
-        if right:  # each draft right before every step: whole runs of steps keep every guess
+        if right:  # each draft right before every engine step (a run's first step keeps them)
             step = e.step
 
             def stepped(step=step, e=e):
@@ -136,6 +136,7 @@ def check_steps(models, device: str, monkeypatch, k: int, right: bool) -> None:
                              ("t2", full["r2"] + [7, 8, 9], greedy(6, ignore_eos=True))])
         st = e.stats()
         assert st["num_blocks_free"] == 80 and st["num_slots_free"] == 4
+        assert st["sessions_resumed"] == 2  # (both next turns from the parked states)
         results.append((steps, more))
     (steps1, more1), (steps4, more4) = results
     assert more4 == more1 and steps4 < steps1
