@@ -160,7 +160,8 @@ class CheckGraphs:
         and its k new guesses (next_rows; a sequence that stopped or reached its cap is padding
         from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past the first
         check's). The ops: volundr.ops.spec_ops (Triton on CUDA). choose(logits [R, V], out
-        [R]): each row's token (Sampler.row_chooser; None: the argmax). record(logits [R, V],
+        [R], emitted [size]): each row's token given each sequence's tokens counted earlier in
+        the run (sampler.RowChooser; None: the argmax). record(logits [R, V],
         chosen [size, L]): called after each check (before the next one overwrites its logits).
         Returns per step each sequence's chosen rows [L], counted lengths and k MTP guesses."""
         from volundr.ops import spec_ops
@@ -184,6 +185,7 @@ class CheckGraphs:
         # the MTP head's k guesses [size, k]
         w = Tn + size + size * k
         res = torch.empty(steps, w, dtype=torch.long, device=self.device)
+        emitted = torch.zeros(size, dtype=torch.long, device=self.device)  # (choose's)
         for step in range(steps):
             a, lens, out = res[step].split([Tn, size, size * k])
             a, out = a.view(size, L), out.view(size, k)
@@ -191,7 +193,7 @@ class CheckGraphs:
             if choose is None:
                 torch.argmax(logits[:Tn], dim=-1, out=a.view(Tn))
             else:
-                choose(logits[:Tn], a.view(Tn))
+                choose(logits[:Tn], a.view(Tn), emitted)
             if record is not None:
                 record(logits[:Tn], a)
             ops.accept_rows(a, toks, self.cu[:2 * size + 1], cap, stop, self.slot_mapping[:Tn],
@@ -208,6 +210,8 @@ class CheckGraphs:
                                mtp.mtp_last[:size], out[:, j])
                 mg.replay()
             out[:, k - 1] = guesses[:size]
+            if choose is not None and step + 1 < steps:
+                emitted += lens
             if step + 1 < steps:  # the next check's rows from this one's, on the device
                 ops.next_rows(a, lens, out, cap, stop, self.ngram_ids[:Tn], self.ctx[:Tn],
                               self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id,

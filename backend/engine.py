@@ -42,6 +42,10 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 DRAFT_TOKENS, MTP_TOKENS = 4, 1
 # A sequence's speculative steps before EngineConfig.spec_min_tokens judges them
 SPEC_TRIAL_STEPS = 16
+# A run of speculative steps draws each seeded sampled sequence's noise rows for all of its
+# rows up front (sampler.RowChooser; one row: the vocabulary in fp32, 0.6 MiB for Volundr):
+# at most this many rows in all
+SEEDED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -351,8 +355,9 @@ class LLMEngine:
     def _spec_steps(self, spec: list[ScheduledSeq], k: int, batch: list[ScheduledSeq]) -> int:
         """How many speculative steps the MTP head's batch `spec` may take back to back on the
         device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
-        speculates, every sequence is greedy or unseeded sampled without penalties, bias or
-        grammar, no waiting request could join now, none would cross its trial's
+        speculates, no sequence has penalties, bias or a grammar, no waiting request could
+        join now, seeded sampled ones' noise rows (steps x (k + 1) each) stay within
+        SEEDED_ROWS, none would cross its trial's
         judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for their rows are free:
         (steps - 1)(k + 1) positions past the step's own; those are then taken). The steps stop
         early for nobody: one that has stopped is padding after."""
@@ -361,14 +366,18 @@ class LLMEngine:
                 or (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
                     and self.slots.num_free > 0)):
             return 1
+        seeded = 0
         for item in spec:
             s, p = item.seq, item.seq.params
-            if (p.seed is not None and not p.greedy) or p.adjusts_logits or s.grammar is not None:
+            if p.adjusts_logits or s.grammar is not None:
                 return 1
+            seeded += p.seed is not None and not p.greedy
             if s.spec_steps < SPEC_TRIAL_STEPS:
                 n = min(n, SPEC_TRIAL_STEPS - s.spec_steps)
             room = self.ecfg.max_model_len - s.num_computed_tokens - 2 * k
             n = min(n, p.max_tokens - s.num_output_tokens, 1 + room // (k + 1))
+        if seeded:  # (their noise rows for the run: SEEDED_ROWS of the vocabulary's size)
+            n = min(n, max(1, SEEDED_ROWS // (seeded * (k + 1))))
         bm = self.block_manager
         reach = [it.seq.num_computed_tokens + (n - 1) * (k + 1) + 2 * k for it in spec]
         if n <= 1 or sum(bm.extra_blocks(it.seq, r) for it, r in zip(spec, reach)) > bm.num_free:

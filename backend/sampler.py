@@ -211,42 +211,12 @@ class Sampler:
         record_logprobs(raw, ids, seqs, later)
         return ids
 
-    def row_chooser(self, params: list[SamplingParams], L: int):
-        """For a speculative check of len(params) sequences x L rows (CheckGraphs.
-        run_greedy_mtp): None when every sequence is greedy (the rows' argmax), else
-        choose(logits [R, V], out [R]) writing each row's token, the argmax for greedy
-        sequences' rows and rows past theirs (padding), a draw from the row's filtered
-        distribution (exponential race, this sampler's generator) for the others. Unseeded
-        sampled sequences only: their guesses are kept while they equal the row's draw, which
-        keeps each with its probability and replaces the first dropped one by a draw from
-        the rest, as accept_sampled does (speculative module doc). Its tensors are made at the
-        first call and reused: no host round trip in a run of steps."""
-        if all(p.greedy for p in params):
+    def row_chooser(self, seqs: list[Sequence], L: int, steps: int = 1) -> RowChooser | None:
+        """RowChooser for a run of `steps` speculative checks of seqs x L rows; None when
+        every sequence is greedy (the rows' argmax)."""
+        if all(s.params.greedy for s in seqs):
             return None
-        assert all(p.greedy or p.seed is None for p in params), "seeded rows: accept_seeded"
-        made: dict[str, torch.Tensor] = {}
-
-        def choose(logits: torch.Tensor, out: torch.Tensor) -> None:
-            if not made:
-                R = logits.shape[0]
-                rows = [params[i // L] if i // L < len(params) else None for i in range(R)]
-                cols = dict(temperature=[1.0 if p is None or p.greedy else p.temperature
-                                         for p in rows],
-                            top_p=[1.0 if p is None else p.top_p for p in rows],
-                            min_p=[0.0 if p is None else p.min_p for p in rows])
-                for name, v in cols.items():
-                    made[name] = _pinned(v, torch.float32, logits.device)
-                made["top_k"] = _pinned([0 if p is None else p.top_k for p in rows], torch.long,
-                                        logits.device)
-                made["greedy"] = _pinned([p is None or p.greedy for p in rows], torch.bool,
-                                         logits.device)
-            probs = apply_filters(logits, made["temperature"], made["top_k"], made["top_p"],
-                                  made["min_p"])
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            out.copy_(torch.where(made["greedy"], logits.argmax(dim=1),
-                                  (probs / noise).argmax(dim=1)))
-
-        return choose
+        return RowChooser(self, seqs, L, steps)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = logits.argmax(dim=1)
@@ -267,3 +237,79 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=1)
         is_greedy = torch.tensor([x.greedy for x in p], device=dev)
         return torch.where(is_greedy, greedy, sampled)
+
+
+class RowChooser:
+    """Each row's token in a run of speculative checks of n sequences x L rows
+    (CheckGraphs.run_greedy_mtp's `choose`), on the device: the argmax for greedy sequences'
+    rows and padding rows, a draw from the row's filtered distribution (the exponential race)
+    for sampled ones. A sequence's guesses are then kept while they equal its rows' tokens,
+    which for a draw keeps each guess with its probability and replaces the first one dropped
+    by a draw from the rest (accept_sampled's rule; speculative module doc). Unseeded rows
+    take fresh noise from the sampler's generator. A seeded sequence's row j draws with its
+    own noise row e + j, e = the tokens it emitted earlier in the run, as plain seeded
+    sampling would (accept_seeded): its rows for the run (steps x L) come from its generator
+    at the first call, and `finish` then leaves the generator as if it had drawn one row per
+    token emitted. Its tensors are made at the first call and reused: no host round trip
+    between the steps."""
+
+    def __init__(self, sampler: Sampler, seqs: list[Sequence], L: int, steps: int):
+        self.sampler, self.seqs, self.L, self.steps = sampler, seqs, L, steps
+        self.seeded = [i for i, s in enumerate(seqs)
+                       if not s.params.greedy and s.params.seed is not None]
+        self.made: dict[str, torch.Tensor] = {}
+        self.saved: list[torch.Tensor] | None = None  # the seeded generators' states
+
+    def _make(self, logits: torch.Tensor) -> None:
+        R, V, dev, L = logits.shape[0], logits.shape[1], logits.device, self.L
+        rows = [self.seqs[i // L].params if i // L < len(self.seqs) else None for i in range(R)]
+        for name, v in (("temperature", [1.0 if p is None or p.greedy else p.temperature
+                                         for p in rows]),
+                        ("top_p", [1.0 if p is None else p.top_p for p in rows]),
+                        ("min_p", [0.0 if p is None else p.min_p for p in rows])):
+            self.made[name] = _pinned(v, torch.float32, dev)
+        self.made["top_k"] = _pinned([0 if p is None else p.top_k for p in rows], torch.long, dev)
+        self.made["greedy"] = _pinned([p is None or p.greedy for p in rows], torch.bool, dev)
+        if self.seeded:  # each seeded sequence's next steps x L noise rows
+            self.saved = []
+            noise = []
+            for i in self.seeded:
+                s = self.seqs[i]
+                if s.generator is None:
+                    s.generator = torch.Generator(device=dev).manual_seed(s.params.seed)
+                self.saved.append(s.generator.get_state())
+                noise.append(torch.stack([seeded_noise(s, V, dev)
+                                          for _ in range(self.steps * L)]))
+            self.made["noise"] = torch.stack(noise)  # [seeded, steps L, V]
+            self.made["rows"] = _pinned([i * L + j for i in self.seeded for j in range(L)],
+                                        torch.long, dev)
+            self.made["seq"] = _pinned([i for i in self.seeded for _ in range(L)], torch.long,
+                                       dev)
+            self.made["q"] = _pinned([q for q in range(len(self.seeded)) for _ in range(L)],
+                                     torch.long, dev)
+            self.made["j"] = _pinned(list(range(L)) * len(self.seeded), torch.long, dev)
+
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor, emitted: torch.Tensor) -> None:
+        """logits [R, V] a check's rows, out [R] their tokens, emitted [n] each sequence's
+        tokens counted earlier in the run (device)."""
+        m = self.made
+        if not m:
+            self._make(logits)
+        probs = apply_filters(logits, m["temperature"], m["top_k"], m["top_p"], m["min_p"])
+        noise = torch.empty_like(probs).exponential_(generator=self.sampler.generator)
+        if self.seeded:
+            at = (emitted[m["seq"]] + m["j"]).clamp(max=m["noise"].shape[1] - 1)
+            noise[m["rows"]] = m["noise"][m["q"], at]
+        out.copy_(torch.where(m["greedy"], logits.argmax(dim=1), (probs / noise).argmax(dim=1)))
+
+    def finish(self, counted: list[int]) -> None:
+        """After the run (counted[i]: the tokens sequence i emitted in it): each seeded
+        generator back where a row per emitted token leaves it."""
+        if self.saved is None:
+            return
+        V = self.made["noise"].shape[2]
+        for state, i in zip(self.saved, self.seeded):
+            s = self.seqs[i]
+            s.generator.set_state(state)
+            for _ in range(counted[i]):
+                seeded_noise(s, V, s.generator.device)

@@ -12,12 +12,13 @@ test_speculative_mtp's eager_graphs; on CUDA through the captured graphs."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import test_speculative_mtp
 import torch
-from test_speculative import CUDA, first_three, greedy, run, total_variation
+from test_speculative import CUDA, engine, first_three, greedy, prompts, run, total_variation
 from test_speculative_mtp import eager_graphs, mtp_engine, three_requests
 
 from volundr.check_layout import check_layout, next_check
@@ -147,6 +148,42 @@ def test_speculative_steps_on_the_cpu(models, monkeypatch):
     check_steps(models, "cpu", monkeypatch, 1, right=False)
 
 
+def force_guesses(e, c: int) -> None:
+    """Every guess of e's MTP graphs is token c (the block still runs, its KV stored)."""
+    for size, (g, gcm, guesses, stash, h) in list(e.runner.mtp_graphs.graphs.items()):
+        def replay(g=g, guesses=guesses):
+            g.replay()
+            guesses.fill_(c)
+        e.runner.mtp_graphs.graphs[size] = (SimpleNamespace(replay=replay), gcm, guesses, stash,
+                                            h)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_seeded_steps_are_plain_seeded_sampling(models, monkeypatch, device):
+    """Seeded sampled requests (temperature 0.8, top-k 3 / top-p 0.9) beside a greedy one, one
+    speculative step a read back or up to 4, every guess the token most common in their
+    outputs (kept at times): each request's tokens are plain seeded sampling's, token for
+    token (each checked row drawn with the noise row of the token it would be, the
+    generators left a row per emitted token)."""
+    prompt = prompts(1, seed=12)[0][:8]
+    reqs = [(f"s{i}", prompt, SamplingParams(max_tokens=14, temperature=0.8, seed=100 + i,
+                                             ignore_eos=True, **({"top_k": 3} if i % 2 else
+                                                                 {"top_p": 0.9})))
+            for i in range(6)] + [("g", prompt, greedy(14, ignore_eos=True))]
+    want, _, _ = run(engine(models, device=device), reqs)
+    common = Counter(t for r in want.values() for t in r[1:]).most_common(1)[0][0]
+    for n in (1, 4):
+        e, calls = steps_engine(models, device, n, monkeypatch, 2, seqs=MAX_CHECK_SEQS)
+        force_guesses(e, common)
+        got, _, _ = run(e, reqs)
+        st = e.stats()
+        assert got == want, n
+        assert calls and all(c is not None for _, c in calls)
+        assert st["spec_tokens"] > st["spec_seqs"], st  # (guesses kept)
+        if n > 1:
+            assert any(s > 1 and len(c) > 1 for s, c in calls)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_sampled_steps_follow_the_model_distribution(models, monkeypatch, device):
     """Unseeded sampled requests (temperature 0.8, top-k 3) on the graphs' path, up to 4 steps
@@ -162,14 +199,8 @@ def test_sampled_steps_follow_the_model_distribution(models, monkeypatch, device
     mass: dict[int, float] = {}
     for t, p in exact.items():
         mass[t[2]] = mass.get(t[2], 0.0) + p
-    c = max(mass, key=mass.get)
+    force_guesses(e, max(mass, key=mass.get))
     params = dataclasses.replace(params, max_tokens=4)
-    for size, (g, gcm, guesses, stash, h) in list(e.runner.mtp_graphs.graphs.items()):
-        def replay(g=g, guesses=guesses):
-            g.replay()
-            guesses.fill_(c)
-        e.runner.mtp_graphs.graphs[size] = (SimpleNamespace(replay=replay), gcm, guesses, stash,
-                                            h)
     n = 2000
     ids, _, _ = run(e, [(f"s{i}", prompt, params) for i in range(n)])
     tv = total_variation({r: t[:3] for r, t in ids.items()}, exact)
