@@ -214,3 +214,39 @@ def test_sampled_steps_follow_the_model_distribution(models, monkeypatch, device
 @pytest.mark.parametrize("k,right", [(2, True), (3, False)])
 def test_cuda_speculative_steps(models, monkeypatch, k, right):
     check_steps(models, "cuda", monkeypatch, k, right)
+
+
+def test_runs_of_steps_follow_the_engine_rules(models, monkeypatch):
+    """How many steps a run asks for (LLMEngine._spec_steps), decode_steps 8, k = 2: never a
+    sequence's 16-step trial crossed inside a run (a request joining after the first run
+    shifts the count off the multiples of 8), nor more steps than its tokens left; one step
+    while a prompt runs beside; with 8 seeded sampled sequences at most SEEDED_ROWS / (8 x 3)
+    = 2 steps (their noise rows drawn up front)."""
+    from volundr.engine import SEEDED_ROWS, SPEC_TRIAL_STEPS
+
+    e, calls = steps_engine(models, "cpu", 8, monkeypatch, 2, seqs=MAX_CHECK_SEQS)
+    p = prompts(2, seed=5)
+    e.add_request(p[0], greedy(60, ignore_eos=True), "a")
+    seen, joined = 0, False
+    while e.has_unfinished():
+        before = {r: (s.spec_steps, s.params.max_tokens - s.num_output_tokens)
+                  for r, s in e.requests.items()}
+        prompt_beside = bool(e.scheduler.waiting)  # (admitted now: its prefill in the batch)
+        e.step()
+        for asked, _ in calls[seen:]:
+            if prompt_beside:
+                assert asked == 1
+            for done, left in before.values():
+                assert asked <= left
+                assert done >= SPEC_TRIAL_STEPS or done + asked <= SPEC_TRIAL_STEPS
+        seen = len(calls)
+        if not joined and e.requests["a"].spec_steps:  # b arrives after a's first run
+            e.add_request(p[1], greedy(10, ignore_eos=True), "b")
+            joined = True
+    asked = [a for a, _ in calls]
+    assert max(asked) == 8 and 1 in asked and joined
+    e, calls = steps_engine(models, "cpu", 8, monkeypatch, 2, seqs=MAX_CHECK_SEQS)
+    reqs = [(f"s{i}", p[0], SamplingParams(max_tokens=30, temperature=0.8, seed=i,
+                                           ignore_eos=True)) for i in range(MAX_CHECK_SEQS)]
+    run(e, reqs)
+    assert max(a for a, _ in calls) == SEEDED_ROWS // (MAX_CHECK_SEQS * 3)
