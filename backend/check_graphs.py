@@ -177,9 +177,8 @@ class CheckGraphs:
         cap, stop = lim[:size], lim[size:].view(size, S)
         slots = self.slots[0:2 * size:2].clone()
         g, gcm, logits, _, hidden = self.graphs[size]
-        mg, _, guesses, _, h = mtp.graphs[size]
+        mg, _, guesses, _, _ = mtp.graphs[size]
         mtp.seq_tables[:size] = self.seq_tables[:size]
-        toks = self.ngram_ids[:Tn, -1].view(size, L)  # (a row's window ends in its token)
         pos = torch.empty(size, dtype=torch.long, device=self.device)
         # each step's results, read back once: chosen rows [size, L], counted lengths [size],
         # the MTP head's k guesses [size, k]
@@ -196,27 +195,18 @@ class CheckGraphs:
                 choose(logits[:Tn], a.view(Tn), emitted)
             if record is not None:
                 record(logits[:Tn], a)
-            ops.accept_rows(a, toks, self.cu[:2 * size + 1], cap, stop, self.slot_mapping[:Tn],
-                            self.ctx[:Tn], lens, self.cu_commit[:2 * size + 1],
-                            mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],
-                            mtp.mtp_ids[:Tn], mtp.mtp_last[:size], pos, self.accept_all)
+            self._accept_rows(ops, mtp, a, cap, stop, lens, pos)
             gcm.replay()
             mtp.mtp_hidden[:Tn] = hidden[:Tn]
             mg.replay()
             for j in range(k - 1):  # the chain: the block over its own output, one row further
-                ops.chain_rows(lens, pos, self.seq_tables[:size], block_size, h,
-                               guesses[:size], mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn],
-                               mtp.ctx[:Tn], mtp.mtp_hidden[:Tn], mtp.mtp_ids[:Tn],
-                               mtp.mtp_last[:size], out[:, j])
+                self._chain_rows(ops, mtp, block_size, lens, pos, guesses[:size], out[:, j])
                 mg.replay()
             out[:, k - 1] = guesses[:size]
-            if choose is not None and step + 1 < steps:
-                emitted += lens
             if step + 1 < steps:  # the next check's rows from this one's, on the device
-                ops.next_rows(a, lens, out, cap, stop, self.ngram_ids[:Tn], self.ctx[:Tn],
-                              self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id,
-                              slots, self.cu[:2 * size + 1], self.slots[:2 * size],
-                              self.slot_mapping[:Tn])
+                self._next_rows(ops, block_size, a, lens, out, cap, stop, slots)
+                if choose is not None:
+                    emitted += lens
         flat = res.tolist()
         return [([r[i * L:(i + 1) * L] for i in range(n)], r[Tn:Tn + n],
                  [r[Tn + size + i * k:Tn + size + (i + 1) * k] for i in range(n)])
@@ -229,25 +219,41 @@ class CheckGraphs:
         multi-step speculation (what they write is refilled before any use)."""
         from volundr.ops import spec_ops
 
-        ops, size, L = spec_ops(self.cu), min(self.graphs), self.L
-        Tn, z = size * L, dict(dtype=torch.long, device=self.device)
-        a, out = torch.zeros(size, L, **z), torch.zeros(size, L - 1, **z)
+        ops, size, z = spec_ops(self.cu), min(self.graphs), dict(dtype=torch.long,
+                                                                 device=self.device)
+        a, out = torch.zeros(size, self.L, **z), torch.zeros(size, self.L - 1, **z)
         lens, pos, cap = (torch.zeros(size, **z) for _ in range(3))
         stop = torch.full((size, 1), -1, **z)
-        ops.accept_rows(a, self.ngram_ids[:Tn, -1].view(size, L), self.cu[:2 * size + 1], cap,
-                        stop, self.slot_mapping[:Tn], self.ctx[:Tn], lens,
-                        self.cu_commit[:2 * size + 1], mtp.cu[:2 * size + 1],
-                        mtp.slot_mapping[:Tn], mtp.ctx[:Tn], mtp.mtp_ids[:Tn],
-                        mtp.mtp_last[:size], pos)
-        ops.chain_rows(lens, pos, self.seq_tables[:size], block_size, mtp.graphs[size][4],
-                       out[:, 0], mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],
-                       mtp.mtp_hidden[:Tn], mtp.mtp_ids[:Tn], mtp.mtp_last[:size], out[:, 0])
-        ops.next_rows(a, lens, out, cap, stop, self.ngram_ids[:Tn], self.ctx[:Tn],
-                      self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id,
-                      self.slots[0:2 * size:2].clone(), self.cu[:2 * size + 1],
-                      self.slots[:2 * size], self.slot_mapping[:Tn])
+        self._accept_rows(ops, mtp, a, cap, stop, lens, pos)
+        self._chain_rows(ops, mtp, block_size, lens, pos, out[:, 0], out[:, 0])
+        self._next_rows(ops, block_size, a, lens, out, cap, stop, self.slots[0:2 * size:2].clone())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    # run_greedy_mtp's ops (volundr.kernels.spec) over this graph's and the MTP graphs' (`mtp`)
+    # buffers for `size` = a.shape[0] sequences; shapes at the ops
+    def _accept_rows(self, ops, mtp: CheckGraphs, a, cap, stop, lens, pos) -> None:
+        size, L = a.shape
+        Tn = size * L
+        ops.accept_rows(a, self.ngram_ids[:Tn, -1].view(size, L),  # (a window ends in its token)
+                        self.cu[:2 * size + 1], cap, stop, self.slot_mapping[:Tn], self.ctx[:Tn],
+                        lens, self.cu_commit[:2 * size + 1], mtp.cu[:2 * size + 1],
+                        mtp.slot_mapping[:Tn], mtp.ctx[:Tn], mtp.mtp_ids[:Tn],
+                        mtp.mtp_last[:size], pos, self.accept_all)
+
+    def _chain_rows(self, ops, mtp: CheckGraphs, block_size: int, lens, pos, guess, out) -> None:
+        size = lens.shape[0]
+        Tn = size * self.L
+        ops.chain_rows(lens, pos, self.seq_tables[:size], block_size, mtp.graphs[size][4], guess,
+                       mtp.cu[:2 * size + 1], mtp.slot_mapping[:Tn], mtp.ctx[:Tn],
+                       mtp.mtp_hidden[:Tn], mtp.mtp_ids[:Tn], mtp.mtp_last[:size], out)
+
+    def _next_rows(self, ops, block_size: int, a, lens, out, cap, stop, slots) -> None:
+        size, L = a.shape
+        Tn = size * L
+        ops.next_rows(a, lens, out, cap, stop, self.ngram_ids[:Tn], self.ctx[:Tn],
+                      self.seq_tables[:size], block_size, self.model.cfg.engram.pad_id, slots,
+                      self.cu[:2 * size + 1], self.slots[:2 * size], self.slot_mapping[:Tn])
 
     def _fill(self, lay: dict[str, list]) -> int:
         """The static buffers of a layout's graph; returns its size (sequences)."""

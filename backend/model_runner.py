@@ -21,7 +21,7 @@ from volundr.check_layout import check_batch, check_layout
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
-from volundr.sampler import Sampler, append_logprobs
+from volundr.sampler import Sampler, append_logprobs, to_device
 from volundr.scheduler import ScheduledSeq
 
 # Speculative checks captured as CUDA graphs for up to this many sequences (speculative decoding
@@ -305,10 +305,7 @@ class ModelRunner:
         return b
 
     def _to_device(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":  # pinned: the copy is asynchronous
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(values, dtype, self.device)
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: list[ScheduledSeq], steps: int,

@@ -112,9 +112,14 @@ def seeded_noise(seq: Sequence, V: int, dev: torch.device) -> torch.Tensor:
     """The next row of Exp(1) noise [V] from seq's own generator (made from its seed on first
     use): one row per token it samples, whichever path samples it (a step, a speculative
     check), so that its tokens depend on its seed alone."""
+    return torch.empty(V, device=dev).exponential_(generator=seq_generator(seq, dev))
+
+
+def seq_generator(seq: Sequence, dev: torch.device) -> torch.Generator:
+    """seq's own generator, made from its seed on first use."""
     if seq.generator is None:
         seq.generator = torch.Generator(device=dev).manual_seed(seq.params.seed)
-    return torch.empty(V, device=dev).exponential_(generator=seq.generator)
+    return seq.generator
 
 
 def record_logprobs(logits: torch.Tensor, ids: torch.Tensor, seqs: list[Sequence],
@@ -183,7 +188,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         torch.tensor([x.min_p for x in params], device=dev))
 
 
-def _pinned(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array as a tensor on `device`; on CUDA copied from pinned memory, so that
+    the copy is asynchronous (no wait for the GPU's queue)."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
@@ -267,27 +274,25 @@ class RowChooser:
                                          for p in rows]),
                         ("top_p", [1.0 if p is None else p.top_p for p in rows]),
                         ("min_p", [0.0 if p is None else p.min_p for p in rows])):
-            self.made[name] = _pinned(v, torch.float32, dev)
-        self.made["top_k"] = _pinned([0 if p is None else p.top_k for p in rows], torch.long, dev)
-        self.made["greedy"] = _pinned([p is None or p.greedy for p in rows], torch.bool, dev)
+            self.made[name] = to_device(v, torch.float32, dev)
+        self.made["top_k"] = to_device([0 if p is None else p.top_k for p in rows], torch.long, dev)
+        self.made["greedy"] = to_device([p is None or p.greedy for p in rows], torch.bool, dev)
         if self.seeded:  # each seeded sequence's next steps x L noise rows
             self.saved = []
             noise = []
             for i in self.seeded:
                 s = self.seqs[i]
-                if s.generator is None:
-                    s.generator = torch.Generator(device=dev).manual_seed(s.params.seed)
-                self.saved.append(s.generator.get_state())
+                self.saved.append(seq_generator(s, dev).get_state())
                 noise.append(torch.stack([seeded_noise(s, V, dev)
                                           for _ in range(self.steps * L)]))
             self.made["noise"] = torch.stack(noise)  # [seeded, steps L, V]
-            self.made["rows"] = _pinned([i * L + j for i in self.seeded for j in range(L)],
+            self.made["rows"] = to_device([i * L + j for i in self.seeded for j in range(L)],
                                         torch.long, dev)
-            self.made["seq"] = _pinned([i for i in self.seeded for _ in range(L)], torch.long,
+            self.made["seq"] = to_device([i for i in self.seeded for _ in range(L)], torch.long,
                                        dev)
-            self.made["q"] = _pinned([q for q in range(len(self.seeded)) for _ in range(L)],
+            self.made["q"] = to_device([q for q in range(len(self.seeded)) for _ in range(L)],
                                      torch.long, dev)
-            self.made["j"] = _pinned(list(range(L)) * len(self.seeded), torch.long, dev)
+            self.made["j"] = to_device(list(range(L)) * len(self.seeded), torch.long, dev)
 
     def __call__(self, logits: torch.Tensor, out: torch.Tensor, emitted: torch.Tensor) -> None:
         """logits [R, V] a check's rows, out [R] their tokens, emitted [n] each sequence's

@@ -68,7 +68,14 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.sampler import adjust_seqs, filtered_probs, record_logprobs, seeded_noise
+from volundr.sampler import (
+    adjust_seqs,
+    append_logprobs,
+    filtered_probs,
+    record_logprobs,
+    seeded_noise,
+    to_device,
+)
 from volundr.scheduler import ScheduledSeq
 from volundr.sequence import Sequence
 from volundr.structured import forced_drafts, mask_rows
@@ -228,9 +235,7 @@ def _row_logprobs(seqs: list[Sequence], L: int, device: torch.device):
     if not asking:
         return None, []
     rows = [i * L + j for i in asking for j in range(L)]
-    idx = torch.tensor(rows)
-    if device.type == "cuda":  # (made once: no host round trip between the steps)
-        idx = idx.pin_memory().to(device, non_blocking=True)
+    idx = to_device(rows, torch.long, device)  # (made once: no host round trip between steps)
     row_seqs = [seqs[i] for i in asking for _ in range(L)]
     recorded: list = []
 
@@ -243,13 +248,12 @@ def _row_logprobs(seqs: list[Sequence], L: int, device: torch.device):
 def _append_counted(rec: tuple, seqs: list[Sequence], lens: list[int], L: int) -> None:
     """One step's recorded row logprobs (_row_logprobs) onto the sequences asking, for their
     first lens[i] rows (the tokens that count)."""
-    _, chosen, top_lp, top_id = (x.tolist() if torch.is_tensor(x) else x for x in rec)
     asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    for q, i in enumerate(asking):
-        n = seqs[i].params.logprobs
-        for j in range(lens[i]):
-            r = q * L + j
-            seqs[i].logprobs.append((chosen[r], list(zip(top_id[r][:n], top_lp[r][:n]))))
+    keep = [q * L + j for q, i in enumerate(asking) for j in range(lens[i])]
+    _, chosen, top_lp, top_id = rec
+    k = torch.tensor(keep, dtype=torch.long, device=chosen.device)
+    append_logprobs([(list(range(len(keep))), chosen[k], top_lp[k], top_id[k])],
+                    [seqs[asking[r // L]] for r in keep])
 
 
 def speculate(target: ModelRunner, drafter: ModelRunner, batch: list[ScheduledSeq], k: int,
