@@ -18,6 +18,7 @@ from volundr.scheduler import ScheduledSeq, Scheduler
 from volundr.sequence import Sequence
 from volundr.session import DEFAULT_SESSION_GIB, ParkedSession, SessionStore
 from volundr.speculative import mtp_after_run, speculate, speculate_mtp
+from volundr.step_plan import SPEC_TRIAL_STEPS, StepPlan
 from volundr.structured import Grammars, completes_at
 
 # EngineConfig.kv_cache_dtype -> the cache's torch dtype (None: the model's). fp8 is the e4m3
@@ -40,12 +41,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 # head's (a guess from its block applied to its own output is right less often; a step of one
 # guess costs 1.48x a plain one, k = 2 / 3 1.67x / 1.82x: H100, session 29)
 DRAFT_TOKENS, MTP_TOKENS = 4, 1
-# A sequence's speculative steps before EngineConfig.spec_min_tokens judges them
-SPEC_TRIAL_STEPS = 16
-# A run of speculative steps draws each seeded sampled sequence's noise rows for all of its
-# rows up front (sampler.RowChooser; one row: the vocabulary in fp32, 0.6 MiB for Volundr):
-# at most this many rows in all
-SEEDED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -63,7 +58,7 @@ class EngineConfig:
     gpu_gib: float | None = None  # hard cap on each rank's CUDA allocator (the memory plan's)
     # Decode-only steps run up to this many tokens per engine step, the next input fed on the
     # device (ModelRunner.run_decode_steps): the host enqueues them all and syncs once. With
-    # the MTP head a batch takes up to this many speculative steps so (_spec_steps).
+    # the MTP head a batch takes up to this many speculative steps so (StepPlan.spec_steps).
     decode_steps: int = 1
     # The attention KV cache (main and MTP layers; KDA and conv states keep theirs): "auto" (the
     # model dtype), "bf16" / "bfloat16", "fp8" / "fp8_e4m3" (half the bytes of bf16 per token).
@@ -176,6 +171,9 @@ class LLMEngine:
         self.slots = StateSlots(ecfg.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, self.slots, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens)
+        self.plan = StepPlan(ecfg, self.scheduler, self.slots, self.block_manager,
+                             self.spec_k if self.check_len else 0, self.mtp,
+                             getattr(self.runner, "max_check_seqs", 0))
         self.requests: dict[str, Sequence] = {}
         self.sessions = SessionStore(int(ecfg.session_gib * 2**30), self._forget)
         self._tickets = itertools.count()
@@ -283,12 +281,12 @@ class LLMEngine:
             return []
         if self.drafter is not None:
             self._restore_drafter(batch)
-        k, spec = self._speculative(batch)
+        k, spec = self.plan.speculative(batch)
         outs: list[RequestOutput] = []
         if k:  # the speculative decodes, then the rest of the batch in a forward of its own
             if self.mtp:  # [seq][step] tokens
                 steps = speculate_mtp(self.runner, spec, k, self._counted, self._limits,
-                                      self._spec_steps(spec, k, batch))
+                                      self.plan.spec_steps(spec, k, batch))
             else:
                 steps = [[t] for t in speculate(self.runner, self.drafter, spec, k,
                                                 self.check_len,
@@ -302,12 +300,13 @@ class LLMEngine:
                 seq.spec_tokens += len(toks)
                 self.spec_seqs += len(st)
                 self.spec_tokens += len(toks)
-                self.spec_stopped += seq.spec_steps == SPEC_TRIAL_STEPS and not self._pays(seq)
+                self.spec_stopped += (seq.spec_steps == SPEC_TRIAL_STEPS
+                                      and not self.plan.pays(seq))
             outs = self._postprocess_steps(spec, tokens)
             batch = [it for it in batch if it not in spec]
             if not batch:
                 return outs
-        steps = 1 if k else self._decode_steps(batch)
+        steps = 1 if k else self.plan.decode_steps(batch)
         try:
             if steps > 1:
                 stops = None  # a session's slot must not take in tokens after its stop
@@ -327,109 +326,6 @@ class LLMEngine:
             for rid in list(self.requests):
                 self.abort(rid)
             raise
-
-    def _decode_steps(self, batch: list[ScheduledSeq]) -> int:
-        """How many tokens this step may produce per sequence (1 unless the batch is all
-        decodes, no waiting request could be admitted now, every sequence has room for them and
-        the KV blocks for the extra positions are free; those blocks are then taken)."""
-        k = self.ecfg.decode_steps
-        sch = self.scheduler
-        admissible = (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
-                      and self.slots.num_free > 0)  # a new request would join next step
-        if k <= 1 or admissible:
-            return 1
-        for item in batch:
-            s = item.seq
-            if item.num_new_tokens != 1 or not item.samples or s.params.token_by_token:
-                return 1
-            k = min(k, s.params.max_tokens - s.num_output_tokens,
-                    self.ecfg.max_model_len - s.num_tokens)
-        bm = self.block_manager
-        if k <= 1 or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + k)
-                         for it in batch) > bm.num_free:
-            return 1
-        for item in batch:
-            bm.grow(item.seq, item.seq.num_computed_tokens + k)
-        return k
-
-    def _spec_steps(self, spec: list[ScheduledSeq], k: int, batch: list[ScheduledSeq]) -> int:
-        """How many speculative steps the MTP head's batch `spec` may take back to back on the
-        device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
-        speculates, no sequence has penalties, bias or a grammar, no waiting request could
-        join now, seeded sampled ones' noise rows (steps x (k + 1) each) stay within
-        SEEDED_ROWS, none would cross its trial's
-        judgment (SPEC_TRIAL_STEPS) within them, and the KV blocks for their rows are free:
-        (steps - 1)(k + 1) positions past the step's own; those are then taken). The steps stop
-        early for nobody: one that has stopped is padding after."""
-        n, sch = self.ecfg.decode_steps, self.scheduler
-        if (n <= 1 or len(spec) < len(batch)
-                or (sch.waiting and len(sch.running) < self.ecfg.max_num_seqs
-                    and self.slots.num_free > 0)):
-            return 1
-        seeded = 0
-        for item in spec:
-            s, p = item.seq, item.seq.params
-            if p.adjusts_logits or s.grammar is not None:
-                return 1
-            seeded += p.seed is not None and not p.greedy
-            if s.spec_steps < SPEC_TRIAL_STEPS:
-                n = min(n, SPEC_TRIAL_STEPS - s.spec_steps)
-            room = self.ecfg.max_model_len - s.num_computed_tokens - 2 * k
-            n = min(n, p.max_tokens - s.num_output_tokens, 1 + room // (k + 1))
-        if seeded:  # (their noise rows for the run: SEEDED_ROWS of the vocabulary's size)
-            n = min(n, max(1, SEEDED_ROWS // (seeded * (k + 1))))
-        bm = self.block_manager
-        reach = [it.seq.num_computed_tokens + (n - 1) * (k + 1) + 2 * k for it in spec]
-        if n <= 1 or sum(bm.extra_blocks(it.seq, r) for it, r in zip(spec, reach)) > bm.num_free:
-            return 1
-        for it, r in zip(spec, reach):
-            bm.grow(it.seq, r)
-        return n
-
-    def _pays(self, seq: Sequence) -> bool:
-        """Whether `seq` speculates: until SPEC_TRIAL_STEPS speculative steps, then while they
-        made at least spec_min_tokens tokens a step on average (judged once: a sequence that
-        stops, stops for good)."""
-        return (seq.spec_steps != SPEC_TRIAL_STEPS  # (past it: it passed)
-                or seq.spec_tokens >= self.ecfg.spec_min_tokens * SPEC_TRIAL_STEPS)
-
-    def _speculative(self, batch: list[ScheduledSeq]) -> tuple[int, list[ScheduledSeq]]:
-        """(k, items) of a speculative step ((0, []): none): with a drafter, the batch's
-        decodes without input embeddings (volundr.speculative) that have
-        room for 2 more tokens, if the runner's check takes that many at once; k at most
-        the guesses a step (spec_k) and room for k + 1 more tokens in each; the KV blocks for
-        them free (then taken). With the MTP head k = spec_k (the drafts are at hand) and the
-        blocks reach 2k positions past the computed ones (its guesses after the first are
-        rows past the kept tokens: speculate_mtp). The batch's other items (prefill chunks, the
-        rest) run in a forward of their own."""
-        if self.drafter is None and not self.mtp:
-            return 0, []
-        k, reach = self.spec_k, 2 * self.spec_k if self.mtp else 0
-        room = {}
-        for item in batch:
-            s = item.seq
-            if (item.num_new_tokens == 1 and item.samples and not s.input_embeds
-                    and self._pays(s)
-                    and s.num_computed_tokens + reach <= self.ecfg.max_model_len):
-                r = min(s.params.max_tokens - s.num_output_tokens - 1,
-                        self.ecfg.max_model_len - s.num_tokens - 1)
-                if r >= 1:
-                    room[s.seq_id] = r
-        spec = [it for it in batch if it.seq.seq_id in room]
-        if len(spec) > self.runner.max_check_seqs:  # (the captured checks' largest batch)
-            # the rest would need a forward of their own: two forwards for the step's decodes
-            # (batch 16, H100: 198 tok/s with a random drafter against 1005 without)
-            return 0, []
-        if not self.mtp:
-            k = min([k, *room.values()])
-        reach = max(reach, k + 1)
-        bm = self.block_manager
-        if not spec or sum(bm.extra_blocks(it.seq, it.seq.num_computed_tokens + reach)
-                           for it in spec) > bm.num_free:
-            return 0, []
-        for item in spec:
-            bm.grow(item.seq, item.seq.num_computed_tokens + reach)
-        return k, spec
 
     def _end_reason(self, seq: Sequence, tok: int) -> str | None:
         """Why seq ends at `tok`, its newest token ("stop": a stop or eos token, or the last

@@ -57,7 +57,7 @@ class Sequence:
         self.num_draft_computed = 0
         # the MTP head's guesses of the tokens after the last one (speculate_mtp; [] none yet)
         self.mtp_drafts: list[int] = []
-        # speculative steps this sequence ran and the tokens they made (LLMEngine._pays)
+        # speculative steps this sequence ran and the tokens they made (StepPlan.pays)
         self.spec_steps = self.spec_tokens = 0
 
     @property

@@ -203,7 +203,7 @@ def test_sequences_stop_speculating_when_it_does_not_pay(models, monkeypatch):
     step) each sequence stops after SPEC_TRIAL_STEPS speculative steps and decodes plainly,
     its output unchanged; with guesses right (two tokens a step) or spec_min_tokens 0 none
     stops."""
-    from volundr.engine import SPEC_TRIAL_STEPS
+    from volundr.step_plan import SPEC_TRIAL_STEPS
 
     ps = prompts(2, seed=12)
     reqs = [(f"r{i}", p, greedy(40, ignore_eos=True)) for i, p in enumerate(ps)]

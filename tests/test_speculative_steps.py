@@ -1,4 +1,4 @@
-"""Multi-step speculation with the MTP head (LLMEngine._spec_steps, CheckGraphs.run_greedy_mtp's
+"""Multi-step speculation with the MTP head (StepPlan.spec_steps, CheckGraphs.run_greedy_mtp's
 `steps`): a batch of greedy (or unseeded sampled) sequences takes up to decode_steps
 speculative steps back to back on the device, each checking the last one's counted token and
 the MTP head's guesses, one read back for all. The next check's rows made on the device
@@ -217,12 +217,12 @@ def test_cuda_speculative_steps(models, monkeypatch, k, right):
 
 
 def test_runs_of_steps_follow_the_engine_rules(models, monkeypatch):
-    """How many steps a run asks for (LLMEngine._spec_steps), decode_steps 8, k = 2: never a
+    """How many steps a run asks for (StepPlan.spec_steps), decode_steps 8, k = 2: never a
     sequence's 16-step trial crossed inside a run (a request joining after the first run
     shifts the count off the multiples of 8), nor more steps than its tokens left; one step
     while a prompt runs beside; with 8 seeded sampled sequences at most SEEDED_ROWS / (8 x 3)
     = 2 steps (their noise rows drawn up front)."""
-    from volundr.engine import SEEDED_ROWS, SPEC_TRIAL_STEPS
+    from volundr.step_plan import SEEDED_ROWS, SPEC_TRIAL_STEPS
 
     e, calls = steps_engine(models, "cpu", 8, monkeypatch, 2, seqs=MAX_CHECK_SEQS)
     p = prompts(2, seed=5)
