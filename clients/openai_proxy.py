@@ -261,7 +261,8 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
 
         def full(out: dict) -> dict:
             choice = out["choices"][0]
-            return call.finished(choice["message"], choice["finish_reason"], out["usage"])
+            return call.finished(choice["message"], choice["finish_reason"], out["usage"],
+                                 logprobs=choice.get("logprobs"))
 
         try:
             req = parse_body(call.chat, ChatRequest)

@@ -6,8 +6,12 @@ the Response's output items (reasoning, message, function_call) or its stream of
 so that `previous_response_id` continues a conversation and GET /v1/responses/{id} returns one;
 from its second turn on such a conversation is an engine session (its turns resume the state the
 turn before parked instead of re-reading the history).
+Logprobs: `include: ["message.output_text.logprobs"]` (with `top_logprobs` 0-20 alternatives a
+token) gives each output_text part the logprobs of the message text's tokens, and each streamed
+response.output_text.delta those of its own (reasoning and tool-call tokens are no part of it:
+openai_responses_events.TextLogprobs).
 Not supported (400): hosted tools (web / file search, computer use, MCP), background mode,
-conversations, stored prompts and logprobs.
+conversations and stored prompts.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-from volundr.clients.openai_responses_events import ResponseEvents, new_id, sse
+from volundr.chat import forced_tool_prefix
+from volundr.clients.openai_responses_events import ResponseEvents, TextLogprobs, new_id, sse
 from volundr.clients.openai_schema import APIError
 
 # Request fields passed to the chat request as they are (OpenAI's and this server's extensions)
@@ -30,6 +35,7 @@ UNSUPPORTED = ("background", "conversation", "prompt")
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
           "max_tokens": "max_output_tokens",
           "response_format": "text", "reasoning_effort": "reasoning"}
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for them
 
 
 def _text_of(parts, where: str) -> str:
@@ -188,8 +194,9 @@ class ResponseStore:
         return found is not None
 
 
-def output_items(message: dict) -> list[dict]:
-    """A chat reply's message as Response output items, in order: reasoning, text, calls."""
+def output_items(message: dict, logprobs: TextLogprobs | None = None) -> list[dict]:
+    """A chat reply's message as Response output items, in order: reasoning, text, calls;
+    `logprobs`: the text's (the reply's tokens added), None: not asked."""
     items = []
     if message.get("reasoning_content"):
         items.append({"id": new_id("rs"), "type": "reasoning", "summary": [],
@@ -199,7 +206,8 @@ def output_items(message: dict) -> list[dict]:
         items.append({"id": new_id("msg"), "type": "message", "role": "assistant",
                       "status": "completed",
                       "content": [{"type": "output_text", "text": message["content"],
-                                   "annotations": [], "logprobs": []}]})
+                                   "annotations": [], "logprobs": [] if logprobs is None
+                                   else logprobs.take(message["content"])}]})
     for tc in message.get("tool_calls") or []:
         items.append({"id": new_id("fc"), "type": "function_call", "status": "completed",
                       "call_id": tc["id"], "name": tc["function"]["name"],
@@ -223,10 +231,20 @@ class ResponsesCall:
         for k in UNSUPPORTED:
             if body.get(k):
                 raise APIError(400, f"{k} is not supported by this server", param=k)
-        if body.get("top_logprobs") or "message.output_text.logprobs" in (
-                body.get("include") or ()):
-            raise APIError(400, "logprobs are not supported on /v1/responses (they are on "
-                           "/v1/chat/completions)", param="include")
+        include, top = body.get("include"), body.get("top_logprobs")
+        if include is not None and not (isinstance(include, list)
+                                        and all(isinstance(k, str) for k in include)):
+            raise APIError(400, "include must be a list of strings", param="include")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= 20):
+            raise APIError(400, f"top_logprobs must be an integer from 0 to 20, got {top!r}",
+                           param="top_logprobs")
+        # As OpenAI: logprobs come with include's "message.output_text.logprobs", each token
+        # with top_logprobs alternatives (none without it); top_logprobs alone returns none
+        # (output_text's logprobs stay []), as OpenAI answers it too, so code written against
+        # OpenAI (whose docs ask for include) gets what it gets there, and the engine is not
+        # asked for logprobs nobody reads. (Other include values are accepted and ignored.)
+        self.logprobs = LOGPROBS in (include or ())
         self.body, self.store, self.model = body, store, model
         self.id, self.created = new_id("resp"), int(time.time())
         prev = body.get("previous_response_id")
@@ -266,7 +284,17 @@ class ResponsesCall:
             chat["reasoning_effort"] = reasoning["effort"]  # (ChatRequest: thinking on / off)
         if chat.get("stream"):
             chat["stream_options"] = {"include_usage": True}
+        if self.logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, top or 0
         self.chat = chat
+
+    def text_logprobs(self) -> TextLogprobs | None:
+        """A new tracker of the message text's logprobs (None: not asked). tool_choice
+        "required" pre-fills `<tool_call>` (a forced call's opening) before what is generated."""
+        if not self.logprobs:
+            return None
+        required = self.chat.get("tool_choice") == "required" and self.chat.get("tools")
+        return TextLogprobs(forced_tool_prefix("required") if required else "")
 
     def response(self, output: list[dict], finish: str | None, usage: dict | None,
                  status: str | None = None) -> dict:
@@ -284,16 +312,21 @@ class ResponsesCall:
             "temperature": b.get("temperature"), "text": b.get("text") or {"format": {
                 "type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_p": b.get("top_p"), "truncation": b.get("truncation", "disabled"),
-            "usage": usage_of(usage), "metadata": b.get("metadata") or {},
-            "user": b.get("user")}
+            "top_logprobs": b.get("top_logprobs"), "top_p": b.get("top_p"),
+            "truncation": b.get("truncation", "disabled"), "usage": usage_of(usage),
+            "metadata": b.get("metadata") or {}, "user": b.get("user")}
 
     def finished(self, message: dict, finish: str | None, usage: dict | None,
-                 output: list[dict] | None = None) -> dict:
-        """The Response of a chat reply (its message; `output`: its items as streamed, else
-        made from the message), stored unless store is false."""
-        resp = self.response(output_items(message) if output is None else output, finish,
-                             usage)
+                 output: list[dict] | None = None, logprobs: dict | None = None) -> dict:
+        """The Response of a chat reply (its message and, where not streamed, its choice's
+        logprobs object; `output`: its items as streamed, else made from the message), stored
+        unless store is false."""
+        if output is None:
+            text = self.text_logprobs()
+            if text is not None:
+                text.add(logprobs)
+            output = output_items(message, text)
+        resp = self.response(output, finish, usage)
         if resp["store"]:
             reply = {k: v for k, v in message.items() if v is not None}
             self.store.put(self.id, self.history + [reply], resp, self.session)

@@ -1,9 +1,11 @@
 """A Response's stream of typed events (response.created, response.output_item.added,
 response.output_text.delta, ..., response.completed) from the chat path's stream of chunks
-(openai_responses.ResponsesCall.events)."""
+(openai_responses.ResponsesCall.events); the message text's share of the chat path's token
+logprobs (TextLogprobs), whole or streamed."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import uuid
 from typing import TYPE_CHECKING
@@ -21,6 +23,101 @@ def sse(e: dict) -> str:
     return f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
 
 
+THINK_CLOSE = "</think>"
+TOOL_CALL = ("<tool_call>", "</tool_call>")
+
+
+def brief(e: dict) -> dict:
+    """A token's logprob entry as response.output_text.delta / .done events have it (token,
+    logprob, top_logprobs of token and logprob: the SDK's types, no bytes; the output_text
+    part's entries have OpenAI's whole form, bytes too, as the chat path gives them)."""
+    return {"token": e["token"], "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                             for t in e.get("top_logprobs") or []]}
+
+
+class TextLogprobs:
+    """The message text's share of a reply's token logprobs.
+
+    The chat path's logprobs (its `logprobs.content` entries, whole or a chunk's) cover every
+    generated token in order: a leading `<think>`...`</think>` block's, the text's, tool calls'
+    (`<tool_call>`...`</tool_call>`), and past a stop string those whose text it cut. A
+    Response's output_text carries the text's only (reasoning items and function calls have no
+    logprobs). The tokens are laid end to end over the raw generated text (their exact UTF-8
+    bytes), and the text's characters are matched to it in order, passing over what the chat
+    path leaves out of the text (openai_render, openai_reasoning): before the text's first
+    character the reasoning, up to the first `</think>` (opened by `<think>`, or by the
+    template in the prompt), tool-call blocks, and whitespace (after `</think>`, around
+    calls). A token is the text's when one of its characters (or a byte of one) is
+    matched; it goes with the piece of text (a stream's delta) where that first happens, each
+    token once. So the entries' tokens join to the text, up to whitespace at its edges that a
+    token held with whitespace that was dropped. `prefix`: text that the prompt pre-filled
+    before the generated text (tool_choice "required"'s `<tool_call>`), no token's: the text
+    starts with it where no call parsed. Text that cannot be matched (not expected) gets no
+    more entries."""
+
+    def __init__(self, prefix: str = ""):
+        self.raw: list[str] = list(prefix)  # the raw text, a character an element
+        self.tokens: list[tuple[dict, int, int]] = []  # (entry, its characters' range in raw)
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.pos = 0  # raw[:pos] is matched or passed over
+        self.next = 0  # tokens[:next] are given or passed over
+        self.started = False  # a character of the text is matched
+        self.lost = False
+
+    def add(self, logprobs: dict | None) -> None:
+        """The tokens of a chat logprobs object ({"content": entries}; None: none)."""
+        for e in (logprobs or {}).get("content") or []:
+            start = len(self.raw)  # (the character a token's first byte is in: a split one's
+            # is raw's next, emitted by the byte that completes it)
+            b = e.get("bytes")
+            self.raw += self.decoder.decode(bytes(b) if b is not None
+                                            else e["token"].encode("utf-8"))
+            self.tokens.append((e, start, len(self.raw) + bool(self.decoder.getstate()[0])))
+
+    def take(self, text: str) -> list[dict]:
+        """The entries of the tokens of the text's next piece `text`."""
+        out: list[dict] = []
+        for ch in text:
+            p = None if self.lost else self._find(ch)
+            if p is None:
+                self.lost = True
+                break
+            self.started, self.pos = True, p + 1
+            while self.next < len(self.tokens):  # tokens before p: left out; touching it: given
+                e, a, b = self.tokens[self.next]
+                if a > p:
+                    break
+                self.next += 1
+                if b > p:
+                    out.append(e)
+        return out
+
+    def _find(self, ch: str) -> int | None:
+        """Where in raw the text's next character `ch` is (None: not found)."""
+        p = self.pos
+        while p is not None and p < len(self.raw):
+            if self.raw[p] == ch:
+                return p
+            p = self._past(p)
+        return None
+
+    def _past(self, p: int) -> int | None:
+        """Where the text may go on when raw[p] is not its next character: past that
+        whitespace character (or U+FFFD), past the tool-call block starting at p, or (before
+        the text's first character) past the first `</think>`: the reasoning, opened by
+        `<think>` or by the template; None: nowhere."""
+        if self.raw[p].isspace() or self.raw[p] == "\ufffd":  # (bytes that are no character:
+            return p + 1  # the tokenizer's decoder may count them apart from Python's)
+        if "".join(self.raw[p:p + len(TOOL_CALL[0])]) == TOOL_CALL[0]:
+            end = "".join(self.raw[p:]).find(TOOL_CALL[1], len(TOOL_CALL[0]))
+            return None if end < 0 else p + end + len(TOOL_CALL[1])
+        if not self.started:
+            end = "".join(self.raw[p:]).find(THINK_CLOSE)
+            return None if end < 0 else p + end + len(THINK_CLOSE)
+        return None
+
+
 class ResponseEvents:
     """Chat chunks -> Response stream events: one output item at a time (reasoning, message,
     each function call), opened at its first text and closed when another starts or the reply
@@ -28,6 +125,7 @@ class ResponseEvents:
 
     def __init__(self, call: ResponsesCall):
         self.call, self.seq, self.items = call, 0, []
+        self.logprobs = call.text_logprobs()  # (None: not asked)
         self.cur: dict | None = None  # the open item
         self.message: dict = {"role": "assistant"}  # the reply as a chat message (stored)
         self.finish, self.usage, self.error = None, None, None
@@ -51,7 +149,8 @@ class ResponseEvents:
         if item["type"] == "message":
             out.append(self._ev("response.content_part.added", item_id=item["id"],
                                 output_index=idx, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []}))
+                                part={"type": "output_text", "text": "", "annotations": [],
+                                      "logprobs": []}))
         return out
 
     def _close(self) -> list[dict]:
@@ -63,7 +162,8 @@ class ResponseEvents:
         if it["type"] == "message":
             it["status"], part = "completed", it["content"][0]
             out += [self._ev("response.output_text.done", **at, content_index=0,
-                             text=part["text"], logprobs=[]),
+                             text=part["text"],
+                             logprobs=[brief(e) for e in part["logprobs"]]),
                     self._ev("response.content_part.done", **at, content_index=0, part=part)]
         elif it["type"] == "reasoning":
             out.append(self._ev("response.reasoning_text.done", **at, content_index=0,
@@ -85,10 +185,14 @@ class ResponseEvents:
                     {"id": new_id("rs"), "type": "reasoning", "summary": [],
                      "content": [{"type": "reasoning_text", "text": ""}]})
             out = self._open(item)
-        self.cur["content"][0]["text"] += text
+        part = self.cur["content"][0]
+        part["text"] += text
         at = dict(item_id=self.cur["id"], output_index=len(self.items) - 1, content_index=0)
         if kind == "message":
-            return out + [self._ev("response.output_text.delta", **at, delta=text, logprobs=[])]
+            lps = self.logprobs.take(text) if self.logprobs is not None else []
+            part["logprobs"] += lps
+            return out + [self._ev("response.output_text.delta", **at, delta=text,
+                                   logprobs=[brief(e) for e in lps])]
         return out + [self._ev("response.reasoning_text.delta", **at, delta=text)]
 
     def _call(self, tc: dict) -> list[dict]:
@@ -120,6 +224,8 @@ class ResponseEvents:
         out = []
         for ch in c.get("choices") or []:
             d = ch.get("delta") or {}
+            if self.logprobs is not None:  # (a chunk's tokens come with or before their text)
+                self.logprobs.add(ch.get("logprobs"))
             for key, kind in (("reasoning_content", "reasoning"), ("content", "message")):
                 if d.get(key):
                     self.message[key] = self.message.get(key, "") + d[key]

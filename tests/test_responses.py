@@ -2,7 +2,8 @@
 official SDK against the real stack (tritonserver + proxy, the tiny model): the same reply as
 the chat request it translates to, its stream of typed events building the same Response (the
 SDK's stream helper too), function calls and their outputs in a conversation, by
-previous_response_id, stored responses, text.format, and clear 400s."""
+previous_response_id, stored responses, text.format, logprobs (the message text's tokens only,
+whole and streamed), and clear 400s."""
 
 from __future__ import annotations
 
@@ -131,7 +132,13 @@ def test_text_format_json_schema(client):
     (dict(input=[{"role": "robot", "content": "x"}]), "input"),
     (dict(input="x", max_output_tokens=0), "max_output_tokens"),
     (dict(input="x", background=True), "background"),
-    (dict(input="x", include=["message.output_text.logprobs"]), "include"),
+    (dict(input="x", include="message.output_text.logprobs"), "include"),
+    (dict(input="x", top_logprobs=21), "top_logprobs"),
+    (dict(input="x", top_logprobs=-1), "top_logprobs"),
+    (dict(input="x", top_logprobs=2.5), "top_logprobs"),
+    (dict(input="x", top_logprobs="3"), "top_logprobs"),
+    (dict(input="x", top_logprobs=True, include=["message.output_text.logprobs"]),
+     "top_logprobs"),
     (dict(input="x", reasoning={"effort": "extreme"}), "reasoning"),
 ])
 def test_bad_requests_are_400s(client, kw, param):
@@ -255,3 +262,207 @@ def test_a_conversation_by_previous_response_id_resumes_its_session(client):
     assert whole.usage.input_tokens_details.cached_tokens == 0
     assert whole.usage.input_tokens == r3.usage.input_tokens
     assert whole.output_text == r3.output_text
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _entries(lps) -> list[tuple]:
+    """Logprob entries (the SDK's objects of any of its types) as (token, logprob, [(token,
+    logprob), ...])."""
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs or []])
+            for e in lps]
+
+
+def _same(got, want) -> None:
+    """The same entries: tokens, alternatives' tokens, and values up to 1e-4 (the same
+    computation, in requests batched apart)."""
+    got, want = _entries(got), _entries(want)
+    assert [(t, [a for a, _ in top]) for t, _, top in got] == \
+        [(t, [a for a, _ in top]) for t, _, top in want]
+    for (_, lp, top), (_, lp2, top2) in zip(got, want):
+        assert abs(lp - lp2) < 1e-4 and all(abs(x - y) < 1e-4
+                                            for (_, x), (_, y) in zip(top, top2)), (got, want)
+
+
+def _text_part(resp):
+    (msg,) = [o for o in resp.output if o.type == "message"]
+    return msg.content[0]
+
+
+def test_logprobs_are_the_chat_replys(client):
+    """include message.output_text.logprobs + top_logprobs 3: the output_text part carries the
+    chat reply's logprobs for the same messages, token for token (text, bytes, logprob, the 3
+    alternatives); the stored Response keeps them. include alone: the same tokens and values
+    without alternatives; top_logprobs alone (as OpenAI answers it) or neither: none."""
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about Volundr the smith."}]
+    kw = dict(model="volundr", temperature=0.0,
+              extra_body={"ignore_eos": True,
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    chat = client.chat.completions.create(**kw, max_tokens=12, messages=msgs, logprobs=True,
+                                          top_logprobs=3)
+    want = chat.choices[0].logprobs.content
+    rkw = dict(**kw, instructions="Be brief.", max_output_tokens=12,
+               input="Tell me about Volundr the smith.")
+    resp = client.responses.create(**rkw, include=LOGPROBS, top_logprobs=3)
+    part = _text_part(resp)
+    assert part.text == chat.choices[0].message.content != ""
+    assert len(part.logprobs) == 12 and resp.top_logprobs == 3
+    _same(part.logprobs, want)
+    assert [e.bytes for e in part.logprobs] == [e.bytes for e in want]
+    assert [[t.bytes for t in e.top_logprobs] for e in part.logprobs] == \
+        [[t.bytes for t in e.top_logprobs] for e in want]
+    assert all(len(e.top_logprobs) == 3 for e in part.logprobs)
+    assert b"".join(bytes(e.bytes) for e in part.logprobs).decode("utf-8", "replace") == \
+        part.text
+    assert _text_part(client.responses.retrieve(resp.id)).logprobs == part.logprobs
+    bare = _text_part(client.responses.create(**rkw, include=LOGPROBS)).logprobs
+    assert all(e.top_logprobs == [] for e in bare) and len(bare) == 12
+    _same(bare, [e.model_copy(update={"top_logprobs": []}) for e in want])
+    alone = client.responses.create(**rkw, top_logprobs=3)
+    assert _text_part(alone).logprobs == [] and alone.top_logprobs == 3
+    assert _text_part(alone).text == part.text
+    assert _text_part(client.responses.create(**rkw)).logprobs == []
+
+
+def test_streamed_logprobs(client):
+    """Streamed: each response.output_text.delta carries its own tokens' logprobs (their
+    bytes, from the final part's entries, make up its delta); all of them in order equal the
+    Response's not streamed, response.output_text.done's, content_part.done's and the final
+    Response's."""
+    kw = dict(model="volundr", temperature=0.0, input="Tell me a story.",
+              max_output_tokens=16, include=LOGPROBS, top_logprobs=2,
+              extra_body={"ignore_eos": True,
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    whole = _text_part(client.responses.create(**kw)).logprobs
+    assert len(whole) == 16
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    assert len(deltas) > 1 and all(e.logprobs for e in deltas)
+    _same(streamed, whole)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    (part_done,) = [e for e in events if e.type == "response.content_part.done"]
+    final = _text_part(events[-1].response)
+    assert _entries(done.logprobs) == _entries(streamed) == _entries(part_done.part.logprobs)
+    assert final.logprobs == part_done.part.logprobs and final.text == done.text
+    at = 0
+    for e in deltas:  # each delta's tokens are its text's
+        mine = final.logprobs[at:at + len(e.logprobs)]
+        at += len(e.logprobs)
+        assert b"".join(bytes(x.bytes) for x in mine).decode("utf-8", "replace") == e.delta
+    assert at == 16
+
+
+def test_logprobs_leave_out_reasoning_tokens(client, tiny_dir):
+    """reasoning.effort high with the reply's think block forced (+100 on `<think>`, a bias on
+    `</think>` that lets some reasoning through first, found with the chat request) and its
+    text a choice: the chat reply's logprobs cover every token, the think block's too; the
+    Response's output_text only the text's, those after `</think>` less the whitespace ones
+    (the text drops whitespace after `</think>`), whole and streamed."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    think, close = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    msgs = [{"role": "user", "content": "Name a metal."}]
+    so = {"choice": ["iron ore", "steel bar"]}
+    for bias in (5, 6, 4, 7, 3, 8):
+        chat = client.chat.completions.create(
+            model="volundr", temperature=0.0, max_tokens=40, messages=msgs, logprobs=True,
+            top_logprobs=2, reasoning_effort="high",
+            logit_bias={str(think): 100, str(close): bias},
+            extra_body={"structured_outputs": so})
+        m = chat.choices[0].message
+        if (m.model_extra or {}).get("reasoning_content") and m.content:
+            break
+    else:
+        pytest.fail("no bias on </think> gave a reply with both reasoning and text")
+    every = chat.choices[0].logprobs.content
+    tokens = [e.token for e in every]
+    assert tokens[0] == "<think>" and tokens.count("</think>") == 1
+    after = every[tokens.index("</think>") + 1:]
+    while after and not after[0].token.strip():
+        after = after[1:]
+    assert 2 < tokens.index("</think>") and after
+    kw = dict(model="volundr", temperature=0.0, input=msgs, max_output_tokens=40,
+              include=LOGPROBS, top_logprobs=2, reasoning={"effort": "high"},
+              extra_body={"structured_outputs": so,
+                          "logit_bias": {str(think): 100, str(close): bias}})
+    resp = client.responses.create(**kw)
+    assert _reasoning(resp) == m.model_extra["reasoning_content"]
+    part = _text_part(resp)
+    assert part.text == m.content
+    _same(part.logprobs, after)
+    assert "".join(e.token for e in part.logprobs).lstrip() == m.content
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    _same(streamed, after)
+    assert any(e.type == "response.reasoning_text.delta" for e in events)
+
+
+def test_logprobs_of_a_required_call_cut_short(client):
+    """tool_choice required pre-fills `<tool_call>`; a call cut by max_output_tokens does not
+    parse, so the text is that prefix and the generated text: the logprobs are those of the
+    generated tokens only (the prefix is the prompt's)."""
+    resp = client.responses.create(model="volundr", temperature=0.0, tools=[TOOL],
+                                   tool_choice="required", input="Weather in Oslo?",
+                                   max_output_tokens=3, include=LOGPROBS)
+    part = _text_part(resp)
+    assert len(part.logprobs) == 3 and resp.status == "incomplete"
+    joined = b"".join(bytes(e.bytes) for e in part.logprobs).decode("utf-8", "replace")
+    assert part.text == "<tool_call>" + joined
+
+
+def _entry(text: str, raw: bytes | None = None) -> dict:
+    raw = text.encode() if raw is None else raw
+    return {"token": raw.decode("utf-8", "replace"), "bytes": list(raw), "logprob": -1.0,
+            "top_logprobs": []}
+
+
+def test_text_logprobs_pass_over_what_the_text_leaves_out():
+    """TextLogprobs on its own: over a think block, whitespace dropped after it, a character
+    split across tokens, tool-call blocks (and the whitespace around them), a stop string's
+    token past the text; pieces as streamed or the text whole; where the template opened the
+    think block; a call between the reasoning and the text; tool_choice required's
+    pre-filled `<tool_call>`; text that does not match (no more entries)."""
+    from volundr.clients.openai_responses_events import TextLogprobs
+
+    euro = "\u20ac".encode()
+    toks = [_entry("<think>"), _entry("hm"), _entry("</think>"), _entry("\n\nA"),
+            _entry("", euro[:1]), _entry("", euro[1:]), _entry(" b <tool_call>"),
+            _entry('{"name": "f"}'), _entry("</tool_call>"), _entry("\n"), _entry(" c."),
+            _entry(" STOP")]
+
+    def names(es):
+        return [e["token"] for e in es]
+
+    def at(es):  # (which of toks)
+        return [next(i for i, t in enumerate(toks) if t is e) for e in es]
+
+    lp = TextLogprobs()
+    lp.add({"content": toks[:6]})
+    assert at(lp.take("A\u20ac")) == [3, 4, 5]
+    lp.add({"content": toks[6:]})
+    assert at(lp.take(" b ")) == [6]
+    assert at(lp.take("c.")) == [10]
+    whole = TextLogprobs()
+    whole.add({"content": toks})
+    assert at(whole.take("A\u20ac b c.")) == [3, 4, 5, 6, 10]
+    opened = TextLogprobs()  # (the prompt opened <think>)
+    opened.add({"content": [_entry("hm"), _entry("</think>"), _entry("\n"), _entry("ok")]})
+    assert names(opened.take("ok")) == ["ok"]
+    plain = TextLogprobs()  # no split: the think block is text
+    plain.add({"content": toks[:3]})
+    assert names(plain.take("<think>hm</think>")) == ["<think>", "hm", "</think>"]
+    called = TextLogprobs()  # reasoning, then a call, then text
+    called.add({"content": [_entry("<think>"), _entry("r"), _entry("</think>\n"),
+                            _entry("<tool_call>"), _entry("{}</tool_call>"), _entry("\nok")]})
+    assert names(called.take("ok")) == ["\nok"]
+    required = TextLogprobs("<tool_call>")
+    required.add({"content": [_entry('{"name": "f"}'), _entry("</tool_call>"), _entry(" ok")]})
+    assert names(required.take("ok")) == [" ok"]
+    lost = TextLogprobs()
+    lost.add({"content": [_entry("abc")]})
+    assert names(lost.take("xyz")) == [] and names(lost.take("abc")) == []
