@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from volundr.cuda_graph import capture_sizes, check_room, no_gc
+from volundr.sampler import to_device
 
 
 class CheckGraphs:
@@ -134,8 +135,7 @@ class CheckGraphs:
         rows = [i * L + j for i, m in enumerate(lens) for j in range(m)]
         last = [i * L + m - 1 for i, m in enumerate(lens)]
         size = self._fill(lay)
-        a = torch.tensor(rows + ids + last, dtype=torch.long).pin_memory().to(
-            self.device, non_blocking=True)
+        a = to_device(rows + ids + last, torch.long, self.device)
         idx, nxt, a_last = a.split([len(rows), len(ids), n])
         self.mtp_hidden.index_copy_(0, idx, hidden)
         self.mtp_ids.index_copy_(0, idx, nxt)
@@ -173,7 +173,7 @@ class CheckGraphs:
         pad = [-1] * S  # (padding sequences: cap 0, no stop ids)
         lim = (caps + [0] * (size - n) + [i for t in stops for i in (list(t) + pad)[:S]]
                + pad * (size - n))
-        lim = torch.tensor(lim).pin_memory().to(self.device, non_blocking=True)
+        lim = to_device(lim, torch.long, self.device)
         cap, stop = lim[:size], lim[size:].view(size, S)
         slots = self.slots[0:2 * size:2].clone()
         g, gcm, logits, _, hidden = self.graphs[size]
@@ -265,8 +265,8 @@ class CheckGraphs:
                + [i for row in lay["ngrams"] for i in row] + [pad] * ((Tn - T) * m))
         i32 = np.concatenate([np.asarray(self._padded_cu(lay, size) + lay["ctx"]
                                          + [1] * (Tn - T), np.int32), lay["tables"].ravel()])
-        a64, a32 = (torch.tensor(v, dtype=d).pin_memory().to(self.device, non_blocking=True)
-                    for v, d in ((i64, torch.long), (i32, torch.int32)))
+        a64, a32 = to_device(i64, torch.long, self.device), to_device(i32, torch.int32,
+                                                                      self.device)
         slots, slot_map, ngrams = a64.split([2 * size, Tn, Tn * m])
         cu, ctx, tables = a32.split([2 * size + 1, Tn, n * width])
         self.slots[:2 * size] = slots
@@ -282,7 +282,6 @@ class CheckGraphs:
     def run_commit(self, n: int, lay: dict[str, list]) -> None:
         """Replays the commit after `run_check` of n sequences (lay: its commit layout)."""
         size = self._size(n)
-        self.cu_commit[:2 * size + 1] = torch.tensor(
-            self._padded_cu(lay, size), dtype=torch.int32).pin_memory().to(self.device,
-                                                                           non_blocking=True)
+        self.cu_commit[:2 * size + 1] = to_device(self._padded_cu(lay, size), torch.int32,
+                                                  self.device)
         self.graphs[size][1].replay()
