@@ -372,6 +372,16 @@ def matmul_census(engine: LLMEngine, path: str, batch: int = 1, min_calls: int =
     return {"batch": batch, "ms_per_step": total, "rows": rows}
 
 
+def mixed_config(cfg):
+    """`cfg` with its ~3.2-bit volundr-mixed quantization_config (presets.mixed_quantization);
+    linears too narrow for a quant group stay bf16 (tiny)."""
+    q = mixed_quantization(cfg)
+    shapes = {n.removesuffix(".weight"): t.shape for n, t in expected_tensors(cfg).items()}
+    q = dataclasses.replace(q, bits={m: b for m, b in q.bits.items()
+                                     if quantizable(shapes[m][1], q.group_size)})
+    return cfg.replace(quantization=q)
+
+
 @torch.no_grad()
 def random_quantized_state_dict(cfg, device: str, keep_on: str | None = None):
     """A random volundr-mixed checkpoint: uniform random codes (qweight bytes), scales that give
@@ -417,11 +427,7 @@ def build(variant: str, graphs: bool, max_num_seqs: int, preset: str,
         if tp > 1:
             sd = {n: t.cpu() for n, t in sd.items()}
     else:
-        q = mixed_quantization(cfg)  # linears too narrow for a quant group stay bf16 (tiny)
-        shapes = {n.removesuffix(".weight"): t.shape for n, t in expected_tensors(cfg).items()}
-        q = dataclasses.replace(q, bits={m: b for m, b in q.bits.items()
-                                         if quantizable(shapes[m][1], q.group_size)})
-        cfg = cfg.replace(quantization=q)
+        cfg = mixed_config(cfg)
         sd = random_quantized_state_dict(cfg, device, "cpu" if gpu_gib or tp > 1 else None)
     pair = None
     if draft == "self":
