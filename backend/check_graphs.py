@@ -147,7 +147,7 @@ class CheckGraphs:
     @torch.inference_mode()
     def run_greedy_mtp(self, lay: dict[str, list], mtp: CheckGraphs, caps: list[int],
                        stops: list[tuple[int, ...]], k: int = 1, block_size: int = 0,
-                       steps: int = 1, choose=None, record=None
+                       steps: int = 1, choose=None, record=None, adjust=None
                        ) -> list[tuple[list[list[int]], list[int], list[list[int]]]]:
         """`steps` speculate_mtp steps of greedy (or unseeded sampled: `choose`) sequences
         replayed back to back with one read back. A step: the check of a layout; each row's
@@ -161,9 +161,12 @@ class CheckGraphs:
         from then on; its KV blocks must reach (steps - 1)(k + 1) + 2k positions past the first
         check's). The ops: volundr.ops.spec_ops (Triton on CUDA). choose(logits [R, V], out
         [R], emitted [size]): each row's token given each sequence's tokens counted earlier in
-        the run (sampler.RowChooser; None: the argmax). record(logits [R, V],
-        chosen [size, L]): called after each check (before the next one overwrites its logits).
-        Returns per step each sequence's chosen rows [L], counted lengths and k MTP guesses."""
+        the run (sampler.RowChooser; None: the argmax). adjust(logits [R, V], ids [size, L],
+        emitted [size]) -> the logits that choose / the argmax read (row_adjust.RowAdjuster:
+        penalties, logit_bias, min_tokens), then adjust.advance(chosen, lens) after the
+        acceptance. record(logits [R, V], chosen [size, L]): the raw logits, called after each
+        check (before the next one overwrites them). Returns per step each sequence's chosen
+        rows [L], counted lengths and k MTP guesses."""
         from volundr.ops import spec_ops
 
         ops = spec_ops(self.cu)
@@ -184,18 +187,22 @@ class CheckGraphs:
         # the MTP head's k guesses [size, k]
         w = Tn + size + size * k
         res = torch.empty(steps, w, dtype=torch.long, device=self.device)
-        emitted = torch.zeros(size, dtype=torch.long, device=self.device)  # (choose's)
+        emitted = torch.zeros(size, dtype=torch.long, device=self.device)  # (choose's, adjust's)
         for step in range(steps):
             a, lens, out = res[step].split([Tn, size, size * k])
             a, out = a.view(size, L), out.view(size, k)
             g.replay()
+            rows = logits[:Tn] if adjust is None else adjust(
+                logits[:Tn], self.ngram_ids[:Tn, -1].view(size, L), emitted)
             if choose is None:
-                torch.argmax(logits[:Tn], dim=-1, out=a.view(Tn))
+                torch.argmax(rows, dim=-1, out=a.view(Tn))
             else:
-                choose(logits[:Tn], a.view(Tn), emitted)
+                choose(rows, a.view(Tn), emitted)
             if record is not None:
                 record(logits[:Tn], a)
             self._accept_rows(ops, mtp, a, cap, stop, lens, pos)
+            if adjust is not None:
+                adjust.advance(a, lens)
             gcm.replay()
             mtp.mtp_hidden[:Tn] = hidden[:Tn]
             mg.replay()
@@ -205,7 +212,7 @@ class CheckGraphs:
             out[:, k - 1] = guesses[:size]
             if step + 1 < steps:  # the next check's rows from this one's, on the device
                 self._next_rows(ops, block_size, a, lens, out, cap, stop, slots)
-                if choose is not None:
+                if choose is not None or adjust is not None:
                     emitted += lens
         flat = res.tolist()
         return [([r[i * L:(i + 1) * L] for i in range(n)], r[Tn:Tn + n],

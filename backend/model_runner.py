@@ -441,7 +441,7 @@ class ModelRunner:
     @torch.inference_mode()
     def check_greedy_mtp(self, batch: list[ScheduledSeq], L: int, caps: list[int],
                          stops: list[tuple[int, ...]], k: int = 1, steps: int = 1,
-                         choose=None, record=None
+                         choose=None, record=None, adjust=None
                          ) -> list[tuple[list[list[int]], list[int], list[list[int]]]] | None:
         """`check`, `commit` of the kept tokens that count (caps[i] at most, up to the first of
         stops[i]) and `mtp` over them, then k - 1 times over its own output (the guesses after
@@ -449,15 +449,16 @@ class ModelRunner:
         each checking the last's guesses, with one read back (CheckGraphs.run_greedy_mtp: per
         step each item's chosen rows, counted lengths, k MTP guesses); None where the graphs do
         not take the batch. Items keep the guesses equal to their rows' tokens: the argmax, or
-        choose's (sampler.RowChooser: sampled items' draws). record(logits, chosen): called
-        after each step's check (its logits rows, chosen rows), e.g. for logprobs."""
+        choose's (sampler.RowChooser: sampled items' draws) from the logits adjust gives
+        (row_adjust.RowAdjuster: penalties, bias, min_tokens). record(logits, chosen): called
+        after each step's check (its raw logits rows, chosen rows), e.g. for logprobs."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:
             return None
         self._init_states(batch)
         self.last_hidden = None
         return c.run_greedy_mtp(self.check_layout(batch, L), m, caps, stops, k, self.block_size,
-                                steps, choose, record)
+                                steps, choose, record, adjust)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:

@@ -32,7 +32,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
     return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
 
 
-def _count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
+def count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
     """[len(rows), V + 1] fp32: row i's count of each token id (column V: padding)."""
     width = max(1, *(len(r) for r in rows))
     ids = torch.tensor([r + [V] * (width - len(r)) for r in rows], dtype=torch.long)
@@ -60,14 +60,14 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: l
     idx = torch.tensor(rows, device=dev)
     sub = logits[idx].float()
     if any(params[i].penalized for i in rows):
-        counts = _count_rows([outputs[i] if params[i].penalized else [] for i in rows], V, dev)
+        counts = count_rows([outputs[i] if params[i].penalized else [] for i in rows], V, dev)
         if recent is not None and recent.shape[0]:
             counts.scatter_add_(1, recent[:, idx].t(), torch.ones(len(rows), recent.shape[0],
                                                                    device=dev))
         counts = counts[:, :V]
         seen = counts > 0
         if any(params[i].repetition_penalty != 1.0 for i in rows):
-            seen |= _count_rows([prompts[i] for i in rows], V, dev)[:, :V] > 0
+            seen |= count_rows([prompts[i] for i in rows], V, dev)[:, :V] > 0
 
         def col(name: str) -> torch.Tensor:
             return torch.tensor([getattr(params[i], name) for i in rows], device=dev)

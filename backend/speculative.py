@@ -48,14 +48,15 @@ later guesses see less context, the tokens stay exactly the model's. With k > 1 
 the block then runs on its own output (`mtp_chain`, as DeepSeek-V3's MTP modules chain, one
 block reused): its output h'_i at the last kept row and the embedding of d_1 give d_2 at the
 next position, and so on; those rows' KV is rewritten when the kept rows get there.
-Batches without penalties, bias or grammars run a step as one series of graph replays with
+Batches without grammars run a step as one series of graph replays with
 the acceptance on the GPU (a sampled row's guess is kept while it equals the row's own draw:
 kept with its probability, the first one dropped replaced by a draw from the rest,
 accept_sampled's rule; a seeded sequence draws row j with its noise row for the token it
 emits there, accept_seeded's rule), and several such steps back to back (the engine's
 decode_steps): each checks the last counted token and the head's new guesses, its rows made on
 the GPU (check_layout.next_check), one read back for all; a sequence that stops becomes
-padding. The small work between the graphs runs as three Triton kernels
+padding; penalties, logit_bias and min_tokens adjust the rows there too (row_adjust). The
+small work between the graphs runs as three Triton kernels
 (volundr.kernels.spec). On the H100, with every guess right, k = 2 / 3: 314 -> 333 / 373 ->
 400 tok/s with both (perf/RESULTS.md, session 35).
 """
@@ -68,6 +69,7 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
+from volundr.row_adjust import RowAdjuster
 from volundr.sampler import (
     adjust_seqs,
     append_logprobs,
@@ -322,20 +324,22 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     back for all; a sequence's list ends with its last step that counted tokens); the states
     then hold t_0 and the counted tokens but the last, and seq.mtp_drafts the k guesses for the
     next step. limits(seq) -> (the most tokens it may still take, its stop ids), `counted`'s
-    rules as data: with it, batches without penalties, bias or grammars take the graphs' one
-    replay (ModelRunner.check_greedy_mtp), which applies them on the GPU."""
+    rules as data: with it, batches without grammars take the graphs' one replay
+    (ModelRunner.check_greedy_mtp), which applies them on the GPU (penalties, bias and
+    min_tokens too: row_adjust.RowAdjuster)."""
     seqs = [it.seq for it in batch]
     drafts = forced_drafts(seqs, [s.mtp_drafts[:k] for s in seqs], k)
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
     L = k + 1
-    if limits is not None and all(not s.params.adjusts_logits and s.grammar is None
-                                  for s in seqs):
+    if limits is not None and all(s.grammar is None for s in seqs):
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         record, recorded = _row_logprobs(seqs, L, target.device)
         choose = target.sampler.row_chooser(seqs, L, steps)
+        adjust = (RowAdjuster(seqs, L) if any(s.params.adjusts_logits for s in seqs)
+                  else None)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k, steps,
-                                            choose, record)
+                                            choose, record, adjust)
         if fused is not None:
             if choose is not None:  # (seeded generators: a row per emitted token)
                 choose.finish([sum(lens[i] for _, lens, _ in fused) for i in range(len(seqs))])

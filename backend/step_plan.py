@@ -108,7 +108,7 @@ class StepPlan:
     def spec_steps(self, spec: list[ScheduledSeq], k: int, batch: list[ScheduledSeq]) -> int:
         """How many speculative steps the MTP head's batch `spec` may take back to back on the
         device (speculate_mtp's `steps`, up to decode_steps; 1 unless the whole batch
-        speculates, no sequence has penalties, bias or a grammar, no waiting request could
+        speculates, no sequence has a grammar, no waiting request could
         join now, seeded sampled ones' noise rows (steps x (k + 1) each) stay within
         SEEDED_ROWS, none would cross its trial's judgment (SPEC_TRIAL_STEPS) within them, and
         the KV blocks for their rows are free: (steps - 1)(k + 1) positions past the step's
@@ -120,7 +120,7 @@ class StepPlan:
         seeded = 0
         for item in spec:
             s, p = item.seq, item.seq.params
-            if p.adjusts_logits or s.grammar is not None:
+            if s.grammar is not None:
                 return 1
             seeded += p.seed is not None and not p.greedy
             if s.spec_steps < SPEC_TRIAL_STEPS:

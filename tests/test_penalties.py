@@ -114,9 +114,8 @@ def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa:
     """Greedy requests with penalties (one with stop tokens, one without any penalty) and a
     seeded sampled one: multi-step decode (4 tokens a step on the device), a drafter (the model
     itself: its guesses are kept, so each check row's history holds guesses; a noisy one: some
-    dropped) and the MTP head (2 guesses a step; and with its graph paths on the CPU, where a
-    greedy batch would take the one-replay step, which knows no penalties) make plain
-    decoding's tokens."""
+    dropped) and the MTP head (2 guesses a step; and with its graph paths on the CPU, where the
+    rows are adjusted on the device: row_adjust) make plain decoding's tokens."""
     from test_speculative_mtp import eager_graphs
 
     ps = prompts(3, seed=6)

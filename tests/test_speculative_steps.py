@@ -250,3 +250,47 @@ def test_runs_of_steps_follow_the_engine_rules(models, monkeypatch):
                                            ignore_eos=True)) for i in range(MAX_CHECK_SEQS)]
     run(e, reqs)
     assert max(a for a, _ in calls) == SEEDED_ROWS // (MAX_CHECK_SEQS * 3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_penalties_bias_and_min_tokens_in_runs_of_steps(models, monkeypatch, device):
+    """Greedy requests with penalties, a negative frequency penalty + logit_bias, min_tokens
+    held against a +100 bias on EOS, and a seeded sampled one with penalties, on the MTP head's
+    graph steps (row_adjust.RowAdjuster), one step a read back or up to 4, the guesses right
+    at each engine step (so each check row's history holds guesses; in a run the later steps'
+    penalties count the tokens its earlier steps counted): plain decoding's tokens and finish
+    reasons, guesses kept, runs of several steps."""
+    from test_penalties import PEN
+    from test_speculative import EOS
+
+    ps = prompts(4, seed=6)
+    reqs = [("a", ps[0], greedy(18, ignore_eos=True, **PEN)),
+            ("b", ps[1], greedy(18, ignore_eos=True, frequency_penalty=-1.5,
+                                logit_bias={9: 1.5})),
+            ("m", ps[2], greedy(18, min_tokens=4, logit_bias={EOS[0]: 100})),
+            ("s", ps[3], SamplingParams(max_tokens=14, temperature=0.9, seed=5,
+                                        ignore_eos=True, **PEN))]
+    want, want_reasons, _ = run(engine(models, device=device), reqs)
+    assert want_reasons["m"] == "stop" and len(want["m"]) == 4
+    full = {rid: p + want[rid] for rid, p, _ in reqs}
+    for n in (1, 4):
+        e, calls = steps_engine(models, device, n, monkeypatch, 2)
+        step = e.step
+
+        def stepped(step=step, e=e):  # each sequence's guesses: its next plain tokens
+            for s in e.requests.values():
+                if s.mtp_drafts:
+                    m = len(s.token_ids)
+                    s.mtp_drafts = (full[s.request_id][m:] + s.mtp_drafts)[:len(s.mtp_drafts)]
+            return step()
+
+        e.step = stepped
+        got, reasons, _ = run(e, reqs)
+        st = e.stats()
+        assert got == want and reasons == want_reasons, n
+        assert calls and all(c is not None for _, c in calls)
+        # (guesses kept: most with one step a read back; in a run, the steps after its first
+        # check the head's own guesses)
+        assert st["spec_tokens"] > (2 if n == 1 else 1) * st["spec_seqs"], st
+        if n > 1:
+            assert any(s > 1 and len(c) > 1 for s, c in calls)
