@@ -35,9 +35,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
 def count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
     """[len(rows), V + 1] fp32: row i's count of each token id (column V: padding)."""
     width = max(1, *(len(r) for r in rows))
-    ids = torch.tensor([r + [V] * (width - len(r)) for r in rows], dtype=torch.long)
-    if dev.type == "cuda":
-        ids = ids.pin_memory().to(dev, non_blocking=True)
+    ids = to_device([r + [V] * (width - len(r)) for r in rows], torch.long, dev)
     return torch.zeros(len(rows), V + 1, device=dev).scatter_add_(
         1, ids, torch.ones(ids.shape, device=dev))
 
