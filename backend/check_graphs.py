@@ -162,7 +162,7 @@ class CheckGraphs:
         check's). The ops: volundr.ops.spec_ops (Triton on CUDA). choose(logits [R, V], out
         [R], emitted [size]): each row's token given each sequence's tokens counted earlier in
         the run (sampler.RowChooser; None: the argmax). adjust(logits [R, V], ids [size, L],
-        emitted [size]) -> the logits that choose / the argmax read (row_adjust.RowAdjuster:
+        emitted [size]) -> the logits that choose / the argmax read (sampler.RowAdjuster:
         penalties, logit_bias, min_tokens), then adjust.advance(chosen, lens) after the
         acceptance. record(logits [R, V], chosen [size, L]): the raw logits, called after each
         check (before the next one overwrites them). Returns per step each sequence's chosen

@@ -21,7 +21,7 @@ from volundr.check_layout import check_batch, check_layout
 from volundr.config import VolundrConfig
 from volundr.model import ForwardBatch, VolundrForCausalLM
 from volundr.model.parallel import TP, enable_one_shot, local_kv_heads
-from volundr.sampler import Sampler, append_logprobs, to_device
+from volundr.sampler import RowAdjuster, Sampler, append_logprobs, to_device
 from volundr.scheduler import ScheduledSeq
 
 # Speculative checks captured as CUDA graphs for up to this many sequences (speculative decoding
@@ -338,6 +338,7 @@ class ModelRunner:
         ctx = self._to_device([p + 1 for row in pos for p in row], torch.int32)
         toks = torch.empty(steps, n, dtype=torch.long, device=self.device)
         later: list = []  # logprobs, read back with the tokens
+        adjust = None if greedy else RowAdjuster.of(seqs)  # (each step's tokens join its counts)
         for j in range(steps):
             if j:
                 b.slot_mapping = slot_map[(j - 1) * n:j * n]
@@ -353,7 +354,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
             if logits is not None:  # rank 0 (tensor parallel: the others got None)
                 toks[j] = (logits.argmax(dim=1) if greedy
-                           else self.sampler.sample(logits, seqs, toks[:j], later))
+                           else self.sampler.sample(logits, seqs, adjust, j, later))
             if self.tp.size > 1:  # the next step's input, which every rank's lookups read
                 dist.broadcast(toks[j], src=0)
         out = toks.tolist()
@@ -450,7 +451,7 @@ class ModelRunner:
         step each item's chosen rows, counted lengths, k MTP guesses); None where the graphs do
         not take the batch. Items keep the guesses equal to their rows' tokens: the argmax, or
         choose's (sampler.RowChooser: sampled items' draws) from the logits adjust gives
-        (row_adjust.RowAdjuster: penalties, bias, min_tokens). record(logits, chosen): called
+        (sampler.RowAdjuster: penalties, bias, min_tokens). record(logits, chosen): called
         after each step's check (its raw logits rows, chosen rows), e.g. for logprobs."""
         c, m = self.checks, self.mtp_graphs
         if c is None or m is None or not c.can_run(len(batch), L, True) or len(batch) > m.max_n:

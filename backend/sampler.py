@@ -5,7 +5,8 @@ Sampling uses the exponential-race form of the Gumbel trick: token = argmax(p_i 
 E_i ~ Exp(1). A seeded request draws its E from its own generator, one row per step, so its
 tokens do not depend on which other requests share the batch. Penalties and logit_bias change
 the logits first, greedy requests' too, and min_tokens masks the stop ids while too few tokens
-are out; then a structured request's grammar masks every id that would break its form
+are out (RowAdjuster, one form for a step, a run of multi-step decode's steps and a speculative
+check's rows); then a structured request's grammar masks every id that would break its form
 (volundr.structured).
 """
 
@@ -40,70 +41,112 @@ def count_rows(rows: list[list[int]], V: int, dev: torch.device) -> torch.Tensor
         1, ids, torch.ones(ids.shape, device=dev))
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-                  prompts: list[list[int]], recent: torch.Tensor | None = None,
-                  generated: list[int] | None = None,
-                  stop_ids: list[tuple[int, ...]] | None = None) -> torch.Tensor:
-    """logits [M, V] with each row's penalties (`apply_penalties`) and then its logit_bias
-    applied, and its stop_ids[i] masked out (-inf) while it has generated fewer than its
-    min_tokens (rows with none of these are returned as they are, and logits itself when no
-    row has any). outputs[i]: the tokens row i has generated so far (read for the penalties);
-    prompts[i]: its prompt's (read for a repetition penalty only); recent [j, M] long: tokens
-    generated on the device after them (multi-step decode); generated[i]: how many tokens
-    row i has generated before recent's (read for min_tokens)."""
-    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
-    if not rows:
-        return logits
-    dev, V = logits.device, logits.shape[1]
-    idx = torch.tensor(rows, device=dev)
-    sub = logits[idx].float()
-    if any(params[i].penalized for i in rows):
-        counts = count_rows([outputs[i] if params[i].penalized else [] for i in rows], V, dev)
-        if recent is not None and recent.shape[0]:
-            counts.scatter_add_(1, recent[:, idx].t(), torch.ones(len(rows), recent.shape[0],
-                                                                   device=dev))
-        counts = counts[:, :V]
-        seen = counts > 0
-        if any(params[i].repetition_penalty != 1.0 for i in rows):
-            seen |= count_rows([prompts[i] for i in rows], V, dev)[:, :V] > 0
+class RowAdjuster:
+    """Penalties, then logit_bias, then min_tokens' mask, on the device, for the rows [size, L]
+    of `seqs` (the first n of size sequences, L rows each): a step's rows (L = 1), or a
+    speculative check's (input t_0, then the guesses d_1 .. d_k), row j adjusted as if
+    d_1 .. d_j had been generated. The tokens counted so far are the sequences' outputs when it
+    is made (counted on the host once) plus those `advance` adds on the device after each step
+    of a run (multi-step decode, the MTP head's runs of checks): no host round trip between
+    the steps. Its tensors are made at the first call."""
 
-        def col(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(params[i], name) for i in rows], device=dev)
+    def __init__(self, seqs: list[Sequence], L: int = 1):
+        """Made before the step's (or run's) tokens are appended to the sequences: their
+        outputs are then the tokens generated so far."""
+        self.L = L
+        self.idx = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
+        sel = [seqs[i] for i in self.idx]
+        self.params = [s.params for s in sel]
+        self.outputs = [list(s.output_token_ids) if s.params.penalized else [] for s in sel]
+        self.prompts = [s.token_ids[:s.num_prompt_tokens]
+                        if s.params.repetition_penalty != 1.0 else [] for s in sel]
+        self.generated = [s.num_output_tokens for s in sel]
+        self.stop_ids = [s.stop_ids for s in sel]
+        # (decided here: a device value's test inside the run would wait for the GPU)
+        self.repetition = any(p.repetition_penalty != 1.0 for p in self.params)
+        self.made: dict[str, torch.Tensor] = {}
 
-        # (a row without penalties: presence 0, frequency 0, repetition 1 change nothing)
-        sub = apply_penalties(sub, counts, seen, col("presence_penalty"),
-                              col("frequency_penalty"), col("repetition_penalty"))
-    bias = [(k, t, b) for k, i in enumerate(rows) for t, b in params[i].logit_bias]
-    if bias:
-        r, t, b = zip(*bias)
-        sub.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                       torch.tensor(b, device=dev), accumulate=True)
-    j = 0 if recent is None else recent.shape[0]
-    early = [(k, t) for k, i in enumerate(rows) if generated is not None
-             and generated[i] + j < params[i].min_tokens for t in stop_ids[i]
-             if 0 <= t < V]
-    if early:  # (after the bias: a +100 on a stop token must not undo it)
-        r, t = zip(*early)
-        sub[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = float("-inf")
-    return logits.index_copy(0, idx, sub.to(logits.dtype))
+    @classmethod
+    def of(cls, seqs: list[Sequence], L: int = 1) -> RowAdjuster | None:
+        """None where no sequence's logits need adjusting."""
+        return cls(seqs, L) if any(s.params.adjusts_logits for s in seqs) else None
 
+    def _make(self, V: int, dev: torch.device) -> None:
+        ps, m = self.params, self.made
+        m["idx"] = to_device(self.idx, torch.long, dev)
+        if any(p.penalized for p in ps):
+            # [P, V] each sequence's output counts; seen: tokens of its prompt (repetition)
+            m["counts"] = count_rows(self.outputs, V, dev)[:, :V].contiguous()
+            m["prompt_seen"] = count_rows(self.prompts, V, dev)[:, :V] > 0
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+                m[name] = to_device([getattr(p, name) for p in ps], torch.float32,
+                                    dev).repeat_interleave(self.L)
+        bias = [(k, t, b) for k, p in enumerate(ps) for t, b in p.logit_bias]
+        if bias:  # dense [P, V]: adding 0 elsewhere leaves a logit as it is
+            r, t, b = zip(*bias)
+            m["bias"] = torch.zeros(len(ps), V, device=dev).index_put_(
+                (to_device(r, torch.long, dev), to_device(t, torch.long, dev)),
+                to_device(b, torch.float32, dev), accumulate=True)
+        early = [(k, t) for k, p in enumerate(ps) if p.min_tokens > 0
+                 for t in self.stop_ids[k] if 0 <= t < V]
+        if early:  # stop ids masked while a row has generated fewer than min_tokens
+            r, t = zip(*early)
+            mask = torch.zeros(len(ps), V, dtype=torch.bool, device=dev)
+            mask[to_device(r, torch.long, dev), to_device(t, torch.long, dev)] = True
+            m["stops"] = mask
+            m["min_tokens"] = to_device([p.min_tokens for p in ps], torch.long, dev)
+            m["generated"] = to_device(self.generated, torch.long, dev)
+            m["j"] = torch.arange(self.L, device=dev)
 
-def adjust_seqs(logits: torch.Tensor, seqs: list[Sequence],
-                recent: torch.Tensor | None = None,
-                extra: list[list[int]] | None = None) -> torch.Tensor:
-    """`adjust_logits` with row i = seqs[i] (its output and prompt tokens as the engine holds
-    them, and extra[i] after its output: tokens it is assumed to have generated, a check's
-    guesses; its stop ids, seq.stop_ids)."""
-    if not any(s.params.adjusts_logits for s in seqs):
-        return logits
-    outs = [s.output_token_ids + (extra[i] if extra else []) if s.params.penalized else []
-            for i, s in enumerate(seqs)]
-    prompts = [s.token_ids[:s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else []
-               for s in seqs]
-    generated = [s.num_output_tokens + (len(extra[i]) if extra else 0)
-                 for i, s in enumerate(seqs)]
-    return adjust_logits(logits, [s.params for s in seqs], outs, prompts, recent, generated,
-                         [s.stop_ids for s in seqs])
+    def __call__(self, logits: torch.Tensor, ids: torch.Tensor | None = None,
+                 emitted: torch.Tensor | int = 0) -> torch.Tensor:
+        """logits [size L, V] raw rows; ids [size, L] their input tokens (t_0 and the guesses;
+        None for L = 1); emitted: the tokens each sequence counted earlier in the run ([size]
+        on the device, or one number for all): the adjusted logits (a copy; the raw ones stay
+        for logprobs)."""
+        V, L = logits.shape[1], self.L
+        m = self.made
+        if not m:
+            self._make(V, logits.device)
+        idx = m["idx"]
+        P = idx.shape[0]
+        sub = logits.view(-1, L, V)[idx].float()  # [P, L, V]
+        if "counts" in m:  # row j: the counts so far and the guesses d_1 .. d_j
+            counts = m["counts"].unsqueeze(1)
+            if L > 1:
+                guessed = torch.zeros(P, L, V, device=logits.device)
+                guessed[:, 1:].scatter_(2, ids[idx, 1:].unsqueeze(2), 1.0)
+                counts = guessed.cumsum_(1).add_(counts)  # (one [P, L, V] buffer: at 16
+                # sequences x 8 rows of a 262K vocabulary 134 MB)
+            counts = counts.reshape(P * L, V)
+            seen = counts > 0
+            if self.repetition:
+                seen = seen | m["prompt_seen"].repeat_interleave(L, dim=0)
+            sub = apply_penalties(sub.view(P * L, V), counts, seen, m["presence_penalty"],
+                                  m["frequency_penalty"],
+                                  m["repetition_penalty"]).view(P, L, V)
+        if "bias" in m:
+            sub = sub + m["bias"].unsqueeze(1)
+        if "stops" in m:  # (after the bias: a +100 on a stop token must not undo it)
+            done = emitted[idx].unsqueeze(1) if torch.is_tensor(emitted) else emitted
+            gen = m["generated"].unsqueeze(1) + done + m["j"]  # [P, L]
+            early = (gen < m["min_tokens"].unsqueeze(1)).unsqueeze(2) & m["stops"].unsqueeze(1)
+            sub = sub.masked_fill(early, float("-inf"))
+        out = logits.clone()
+        out.view(-1, L, V)[idx] = sub.to(logits.dtype)
+        return out
+
+    def advance(self, chosen: torch.Tensor, lens: torch.Tensor | None = None) -> None:
+        """After a step (its acceptance): chosen [size, L] its rows' tokens, lens [size] how
+        many of them each sequence counted (None: all); they join the counts (the
+        penalties' history)."""
+        if "counts" not in self.made:
+            return
+        idx = self.made["idx"]
+        c = chosen[idx]
+        keep = (torch.ones(c.shape, device=c.device) if lens is None else
+                (torch.arange(self.L, device=c.device) < lens[idx].unsqueeze(1)).float())
+        self.made["counts"].scatter_add_(1, c, keep)
 
 
 def seeded_noise(seq: Sequence, V: int, dev: torch.device) -> torch.Tensor:
@@ -200,19 +243,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [M, V] fp32, one row per sequence -> one token id each."""
-        return self.sample(logits, seqs).tolist()
+        return self.sample(logits, seqs, RowAdjuster.of(seqs)).tolist()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               recent: torch.Tensor | None = None, later: list | None = None) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], adjust: RowAdjuster | None,
+               emitted: int = 0, later: list | None = None) -> torch.Tensor:
         """As __call__, but the ids stay on the device ([M] long): multi-step decode feeds
-        them to the next step without a host round trip (recent [j, M]: the ids of its
-        earlier steps, which the sequences do not hold yet; read by the penalties; later: the
-        logprobs stay on the device too, `record_logprobs`). Each seeded sequence draws one
-        row of noise per call from its own generator, so its tokens do not depend on how the
-        steps were grouped."""
+        them to the next step without a host round trip. adjust: the sequences' RowAdjuster
+        (None where none needs one), made before the run's first step and advanced here by
+        each step's ids; emitted: the tokens each sequence made earlier in the run (which it
+        does not hold yet); later: the logprobs stay on the device too, `record_logprobs`.
+        Each seeded sequence draws one row of noise per call from its own generator, so its
+        tokens do not depend on how the steps were grouped."""
         raw = logits
-        logits = mask_seqs(adjust_seqs(logits, seqs, recent), seqs)
-        ids = self._choose(logits, seqs)
+        if adjust is not None:
+            logits = adjust(logits, emitted=emitted)
+        ids = self._choose(mask_seqs(logits, seqs), seqs)
+        if adjust is not None:
+            adjust.advance(ids.unsqueeze(1))
         record_logprobs(raw, ids, seqs, later)
         return ids
 

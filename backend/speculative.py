@@ -55,7 +55,7 @@ accept_sampled's rule; a seeded sequence draws row j with its noise row for the 
 emits there, accept_seeded's rule), and several such steps back to back (the engine's
 decode_steps): each checks the last counted token and the head's new guesses, its rows made on
 the GPU (check_layout.next_check), one read back for all; a sequence that stops becomes
-padding; penalties, logit_bias and min_tokens adjust the rows there too (row_adjust). The
+padding; penalties, logit_bias and min_tokens adjust the rows there too (sampler.RowAdjuster). The
 small work between the graphs runs as three Triton kernels
 (volundr.kernels.spec). On the H100, with every guess right, k = 2 / 3: 314 -> 333 / 373 ->
 400 tok/s with both (perf/RESULTS.md, session 35).
@@ -69,9 +69,8 @@ from contextlib import contextmanager
 import torch
 
 from volundr.model_runner import ModelRunner
-from volundr.row_adjust import RowAdjuster
 from volundr.sampler import (
-    adjust_seqs,
+    RowAdjuster,
     append_logprobs,
     filtered_probs,
     record_logprobs,
@@ -197,10 +196,12 @@ def _counted_kept(target: ModelRunner, seqs: list[Sequence], drafts: list[list[i
     masks it as after them (volundr.structured.mask_rows). Logprobs (params.logprobs) are
     recorded for the tokens that count, from their rows' raw logits."""
     raw = logits
-    if any(s.params.adjusts_logits for s in seqs):
+    adjust = RowAdjuster.of(seqs, logits.shape[1])
+    if adjust is not None:  # (row j's ids: t_0 then the guesses, padded past a short one)
         n, rows, V = logits.shape
-        logits = adjust_seqs(logits.reshape(n * rows, V), [s for s in seqs for _ in range(rows)],
-                             extra=[d[:j] for d in drafts for j in range(rows)]).view(n, rows, V)
+        ids = to_device([[0, *d, *[0] * (rows - 1 - len(d))] for d in drafts], torch.long,
+                        logits.device)
+        logits = adjust(logits.reshape(n * rows, V), ids).view(n, rows, V)
     logits = mask_rows(logits, seqs, drafts)  # (grammars: row j after guesses d_1 .. d_j)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
@@ -326,7 +327,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
     next step. limits(seq) -> (the most tokens it may still take, its stop ids), `counted`'s
     rules as data: with it, batches without grammars take the graphs' one replay
     (ModelRunner.check_greedy_mtp), which applies them on the GPU (penalties, bias and
-    min_tokens too: row_adjust.RowAdjuster)."""
+    min_tokens too: sampler.RowAdjuster)."""
     seqs = [it.seq for it in batch]
     drafts = forced_drafts(seqs, [s.mtp_drafts[:k] for s in seqs], k)
     items = [ScheduledSeq(s, 1 + len(d)) for s, d in zip(seqs, drafts)]
@@ -335,8 +336,7 @@ def speculate_mtp(target: ModelRunner, batch: list[ScheduledSeq], k: int,
         caps, stops = zip(*map(limits, seqs))  # (before the drafts are appended)
         record, recorded = _row_logprobs(seqs, L, target.device)
         choose = target.sampler.row_chooser(seqs, L, steps)
-        adjust = (RowAdjuster(seqs, L) if any(s.params.adjusts_logits for s in seqs)
-                  else None)
+        adjust = RowAdjuster.of(seqs, L)
         with _appended(seqs, drafts):
             fused = target.check_greedy_mtp(items, L, list(caps), list(stops), k, steps,
                                             choose, record, adjust)

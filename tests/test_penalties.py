@@ -13,8 +13,9 @@ import torch
 from reference_model import reference_logits
 from test_speculative import EOS, engine, greedy, models, prompts, run  # noqa: F401 (a fixture)
 
-from volundr.sampler import adjust_logits
+from volundr.sampler import RowAdjuster
 from volundr.sampling_params import SamplingParams
+from volundr.sequence import Sequence
 
 
 def naive_penalties(logits: torch.Tensor, output: list[int], prompt: list[int], presence: float,
@@ -31,10 +32,19 @@ def naive_penalties(logits: torch.Tensor, output: list[int], prompt: list[int], 
     return out
 
 
-def test_penalize_matches_a_loop():
+def _seq(i: int, prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
+    s = Sequence(f"r{i}", prompt, params)
+    s.token_ids += output
+    return s
+
+
+def test_row_adjuster_matches_a_loop():
+    """RowAdjuster == the per-token loop: a step's rows, a run of steps whose tokens join the
+    counts on the device (multi-step decode), and a speculative check's rows (row j as if the
+    guesses d_1 .. d_j had been generated, then the counted ones joining the counts), with
+    min_tokens' stop ids masked while too few tokens are out, after the bias."""
     g = torch.Generator().manual_seed(7)
-    V, M = 40, 7
-    logits = torch.randn(M, V, generator=g) * 3
+    V, M = 40, 8
     params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
               SamplingParams(),  # none: the row stays as it is
               SamplingParams(repetition_penalty=1.5),
@@ -43,20 +53,54 @@ def test_penalize_matches_a_loop():
               SamplingParams(frequency_penalty=1.0),
               SamplingParams(presence_penalty=2.0, repetition_penalty=3.0,
                              logit_bias={3: -100.0, 17: 2.5}),
-              SamplingParams(logit_bias={0: 100.0, 39: -0.5})]  # a bias alone
+              SamplingParams(logit_bias={0: 100.0, 39: -0.5}),  # a bias alone
+              SamplingParams(min_tokens=6, stop_token_ids=[5, 9], logit_bias={5: 100.0},
+                             frequency_penalty=0.5)]
     outputs = [torch.randint(0, V, (n,), generator=g).tolist()
-               for n in (9, 4, 0, 15, 3, 7, 5)]
+               for n in (9, 4, 0, 15, 3, 7, 5, 2)]
     outputs[4] = [5, 5, 5]  # repeats count
-    prompts_ = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3, 6, 0, 8, 2, 4)]
-    for recent in (None, torch.randint(0, V, (3, M), generator=g)):
-        got = adjust_logits(logits, params, outputs, prompts_, recent)
-        for i, p in enumerate(params):
-            hist = outputs[i] + ([] if recent is None else recent[:, i].tolist())
-            want = naive_penalties(logits[i], hist if p.penalized else [], prompts_[i],
-                                   p.presence_penalty, p.frequency_penalty,
-                                   p.repetition_penalty, p.logit_bias)
-            torch.testing.assert_close(got[i], want, msg=f"row {i}")
-    assert adjust_logits(logits, [SamplingParams()] * M, outputs, prompts_) is logits
+    prompts_ = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3, 6, 0, 8, 2, 4, 3)]
+    seqs = [_seq(i, pr, out, p) for i, (pr, out, p) in enumerate(zip(prompts_, outputs, params))]
+
+    def want(row: torch.Tensor, i: int, hist: list[int]) -> torch.Tensor:
+        p = params[i]
+        out = naive_penalties(row, hist if p.penalized else [], prompts_[i], p.presence_penalty,
+                              p.frequency_penalty, p.repetition_penalty, p.logit_bias)
+        if len(hist) < p.min_tokens:
+            out[list(p.stop_token_ids)] = float("-inf")
+        return out
+
+    adjust, hist = RowAdjuster.of(seqs), [list(o) for o in outputs]
+    for j in range(4):  # a step, then the next ones of a run
+        logits = torch.randn(M, V, generator=g) * 3
+        got = adjust(logits, emitted=j)
+        for i in range(M):
+            torch.testing.assert_close(got[i], want(logits[i], i, hist[i]), msg=f"{j} {i}")
+        chosen = torch.randint(0, V, (M,), generator=g)
+        adjust.advance(chosen.unsqueeze(1))
+        for i in range(M):
+            hist[i].append(int(chosen[i]))
+
+    L = 4
+    adjust = RowAdjuster(seqs, L)
+    emitted = torch.zeros(M, dtype=torch.long)
+    hist = [list(o) for o in outputs]
+    for step in range(2):  # two checks of a run: the first's counted rows join the counts
+        ids = torch.randint(0, V, (M, L), generator=g)
+        logits = torch.randn(M * L, V, generator=g) * 3
+        got = adjust(logits, ids, emitted).view(M, L, V)
+        for i in range(M):
+            for j in range(L):
+                torch.testing.assert_close(
+                    got[i, j], want(logits[i * L + j], i, hist[i] + ids[i, 1:j + 1].tolist()),
+                    msg=f"{step} {i} {j}")
+        chosen = torch.randint(0, V, (M, L), generator=g)
+        lens = torch.randint(1, L + 1, (M,), generator=g)
+        adjust.advance(chosen, lens)
+        emitted += lens
+        for i in range(M):
+            hist[i] += chosen[i, :lens[i]].tolist()
+    assert RowAdjuster.of([_seq(0, [1], [2], SamplingParams(temperature=0.5))]) is None
 
 
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
@@ -115,12 +159,12 @@ def test_device_steps_and_speculation_keep_the_penalized_tokens(models,  # noqa:
     seeded sampled one: multi-step decode (4 tokens a step on the device), a drafter (the model
     itself: its guesses are kept, so each check row's history holds guesses; a noisy one: some
     dropped) and the MTP head (2 guesses a step; and with its graph paths on the CPU, where the
-    rows are adjusted on the device: row_adjust) make plain decoding's tokens."""
+    rows are adjusted on the device: sampler.RowAdjuster) make plain decoding's tokens."""
     from test_speculative_mtp import eager_graphs
 
     ps = prompts(3, seed=6)
     reqs = [("a", ps[0], greedy(20, ignore_eos=True, **PEN)),
-            ("b", ps[1], greedy(20, ignore_eos=True, frequency_penalty=-0.5,
+            ("b", ps[1], greedy(20, ignore_eos=True, frequency_penalty=-1.5,
                                 logit_bias={9: 1.5})),
             ("c", ps[2], greedy(14, ignore_eos=True))]
     want, _, _ = run(engine(models), reqs)
