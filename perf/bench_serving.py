@@ -193,6 +193,10 @@ def run(args: argparse.Namespace, res: dict, out: Path) -> None:
                 measure(res, "openai", f"{ep}_s{streams}", lambda ep=ep, s=streams, r=rounds:
                         sdk_load(stack.proxy_url, ep, name, text, n_out, temp, s, r,
                                  args.measure_timeout), out)
+        if n > 1:  # perf_analyzer's N level again, after everything: a first-burst cost shows
+            measure(res, "perf_analyzer", f"c{n}_again", lambda: perf_analyzer(
+                exe, stack.grpc_url, text, n_out, temp, n, n * args.rounds, work / "again",
+                args.measure_timeout), out)
     except KeyboardInterrupt:
         res["errors"].append("interrupted")
     except Exception as e:

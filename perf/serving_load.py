@@ -84,6 +84,11 @@ def summarize(reqs: list[Req], wall_s: float) -> dict:
         "itl_ms": pcts(itl, 1e3),
         # per request, after its first token: what one user sees streaming
         "decode_tok_per_s_per_stream": pcts(rates),
+        # per request, in send order: [sent (s after the first), TTFT ms, end to end ms]
+        "timeline": [[round(r.start - t0, 3), round((r.times[0] - r.start) * 1e3, 1),
+                      round((r.times[-1] - r.start) * 1e3, 1)]
+                     for t0 in [min(r.start for r in reqs)]
+                     for r in sorted(reqs, key=lambda r: r.start) if r.times],
     }
 
 

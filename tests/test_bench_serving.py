@@ -66,13 +66,16 @@ def test_measures_fixed_lengths_and_stops_the_servers(run):
     check = res["checks"]["triton"]
     assert (check["prompt_tokens"], check["output_tokens"], check["finish_reason"]) == \
         (8, 8, "length") and check["responses"] > 1
-    assert set(res["perf_analyzer"]) == {"c1", "c2"}
+    assert set(res["perf_analyzer"]) == {"c1", "c2", "c2_again"}  # (N again, at the end)
     assert set(res["openai"]) == {"chat_s1", "chat_s2", "completions_s1", "completions_s2"}
     for name, m in [*res["perf_analyzer"].items(), *res["openai"].items()]:
         assert m["requests"] == 2 and m["output_tokens_each"] == [8], (name, m)
         assert m["requests_per_s"] > 0 and m["output_tok_per_s"] > 0, (name, m)
         for k in ("ttft_ms", "itl_ms", "e2e_ms", "decode_tok_per_s_per_stream"):
             assert m[k]["p50"] > 0, (name, k, m)
+        sent, ttft, e2e = zip(*m["timeline"])  # per request, in send order
+        assert len(sent) == 2 and sent[0] == 0 and list(sent) == sorted(sent), (name, m)
+        assert all(0 < a <= b for a, b in zip(ttft, e2e)), (name, m)
     for c in ("c1", "c2"):
         pa = res["perf_analyzer"][c]
         assert pa["prompt_tokens_each"] == [8] and pa["pa_infer_per_s"] > 0
