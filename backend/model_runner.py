@@ -338,7 +338,7 @@ class ModelRunner:
         ctx = self._to_device([p + 1 for row in pos for p in row], torch.int32)
         toks = torch.empty(steps, n, dtype=torch.long, device=self.device)
         later: list = []  # logprobs, read back with the tokens
-        adjust = None if greedy else RowAdjuster.of(seqs)  # (each step's tokens join its counts)
+        adjust: RowAdjuster | None = None  # (made where the logits are: rank 0)
         for j in range(steps):
             if j:
                 b.slot_mapping = slot_map[(j - 1) * n:j * n]
@@ -353,6 +353,8 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(self.model(b)[b.logits_indices])
             if logits is not None:  # rank 0 (tensor parallel: the others got None)
+                if j == 0 and not greedy:  # (each step's tokens then join its counts)
+                    adjust = RowAdjuster.of(seqs)
                 toks[j] = (logits.argmax(dim=1) if greedy
                            else self.sampler.sample(logits, seqs, adjust, j, later))
             if self.tp.size > 1:  # the next step's input, which every rank's lookups read

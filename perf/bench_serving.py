@@ -41,9 +41,11 @@ from typing import TYPE_CHECKING
 
 from serving_load import (
     find_perf_analyzer,
+    metrics_delta,
     perf_analyzer,
     prompt_text,
     sdk_load,
+    server_metrics,
     triton_check,
 )
 
@@ -145,12 +147,17 @@ def start_server(args: argparse.Namespace, model_dir: Path, res: dict) -> Servin
     return stack
 
 
-def measure(res: dict, key: str, name: str, fn: Callable[[], dict], out: Path) -> None:
-    """One measurement into res[key][name]; an error is recorded and the run goes on."""
+def measure(res: dict, key: str, name: str, fn: Callable[[], dict], out: Path,
+            metrics_url: str | None = None) -> None:
+    """One measurement into res[key][name]; an error is recorded and the run goes on. With
+    metrics_url also what the server's metrics saw meanwhile (serving_load.metrics_delta)."""
     print(f"bench_serving: {key} {name}...", flush=True)
     t = time.perf_counter()
+    before = server_metrics(metrics_url) if metrics_url else {}
     try:
         res[key][name] = fn()
+        if metrics_url:
+            res[key][name]["server_metrics"] = metrics_delta(before, server_metrics(metrics_url))
     except Exception as e:
         res[key][name] = {"error": repr(e)[:3000], "traceback": traceback.format_exc()[-3000:]}
         res["errors"].append(f"{key} {name}: {repr(e)[:300]}")
@@ -184,7 +191,7 @@ def run(args: argparse.Namespace, res: dict, out: Path) -> None:
         for c, rounds in levels:
             measure(res, "perf_analyzer", f"c{c}", lambda c=c, r=rounds: perf_analyzer(
                 exe, stack.grpc_url, text, n_out, temp, c, c * r, work, args.measure_timeout),
-                out)
+                out, stack.metrics_url)
         name = res["server"]["served_model_name"]
         for ep in args.endpoints.split(","):
             for streams, rounds in levels:
@@ -192,11 +199,11 @@ def run(args: argparse.Namespace, res: dict, out: Path) -> None:
                     raise RuntimeError(f"{stack.poll()} exited")
                 measure(res, "openai", f"{ep}_s{streams}", lambda ep=ep, s=streams, r=rounds:
                         sdk_load(stack.proxy_url, ep, name, text, n_out, temp, s, r,
-                                 args.measure_timeout), out)
+                                 args.measure_timeout), out, stack.metrics_url)
         if n > 1:  # perf_analyzer's N level again, after everything: a first-burst cost shows
             measure(res, "perf_analyzer", f"c{n}_again", lambda: perf_analyzer(
                 exe, stack.grpc_url, text, n_out, temp, n, n * args.rounds, work / "again",
-                args.measure_timeout), out)
+                args.measure_timeout), out, stack.metrics_url)
     except KeyboardInterrupt:
         res["errors"].append("interrupted")
     except Exception as e:
@@ -228,11 +235,14 @@ def summary(res: dict) -> str:
         if "error" in m:
             return f"  {label:26s} ERROR {m['error'][:90]}"
         ms = lambda k, q: m.get(k, {}).get(q, float("nan"))  # noqa: E731
+        eng = m.get("server_metrics", {}).get("volundr_llm", {})
         return (f"  {label:26s} {m['requests_per_s']:7.2f} req/s {m['output_tok_per_s']:8.1f} "
                 f"tok/s  TTFT p50 {ms('ttft_ms', 'p50'):7.1f} p90 {ms('ttft_ms', 'p90'):7.1f} ms"
                 f"  ITL p50 {ms('itl_ms', 'p50'):6.2f} p90 {ms('itl_ms', 'p90'):6.2f} ms  "
                 f"stream {ms('decode_tok_per_s_per_stream', 'p50'):6.1f} tok/s  "
-                f"out {m['output_tokens_each']}")
+                f"out {m['output_tokens_each']}"
+                + (f"  engine TTFT mean {eng['engine_ttft_ms']:.1f} ms (client "
+                   f"{ms('ttft_ms', 'mean'):.1f})" if "engine_ttft_ms" in eng else ""))
 
     for name, m in res["perf_analyzer"].items():
         lines.append(row(f"perf_analyzer {name}", m))

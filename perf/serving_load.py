@@ -8,6 +8,7 @@ import asyncio
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,68 @@ def summarize(reqs: list[Req], wall_s: float) -> dict:
                      for t0 in [min(r.start for r in reqs)]
                      for r in sorted(reqs, key=lambda r: r.start) if r.times],
     }
+
+
+# ---- the server's own metrics ----------------------------------------------------------------
+TRITON_DURATIONS = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+ENGINE_HISTOGRAMS = {"time_to_first_token_seconds": "engine_ttft_ms",
+                     "e2e_request_latency_seconds": "engine_e2e_ms"}
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """Triton's per-model counters (nv_inference_*) and the engine's histograms' sums and counts
+    (volundr:*_sum / *_count) from the Prometheus text at `url`, keyed by the metric's name and
+    labels as written there; {} when it cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith("nv_inference_") or (
+                name.startswith("volundr:") and name.endswith(("_sum", "_count"))):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the server saw between two `server_metrics`, per model: Triton's successful requests
+    and its mean ms per request in each stage, as Triton reports them (for a decoupled model
+    they need not span the generation); for the engine, the mean TTFT and end to end from each
+    request's arrival at volundr_llm (the client's TTFT minus it: the time before, in the
+    client, the proxy and the ensemble)."""
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    models: dict[str, dict] = {}
+    for key, v in d.items():
+        name, _, labels = key.partition("{")
+        model = re.search(r'model="([^"]+)"', labels)
+        if model is None:
+            continue
+        m = models.setdefault(model.group(1), {})
+        m[name] = m.get(name, 0.0) + v
+    out: dict[str, dict] = {}
+    for model, m in models.items():
+        n = m.get("nv_inference_request_success", 0.0)
+        row = {"requests": n} if n else {}
+        for stage in TRITON_DURATIONS:
+            us = m.get(f"nv_inference_{stage}_duration_us")
+            if n and us is not None:
+                row[f"{stage}_ms"] = us / n / 1e3
+        for hist, label in ENGINE_HISTOGRAMS.items():
+            c, t = m.get(f"volundr:{hist}_count"), m.get(f"volundr:{hist}_sum")
+            if c:
+                row[label] = t / c * 1e3
+        if row:
+            out[model] = row
+    return out
 
 
 # ---- perf_analyzer ---------------------------------------------------------------------------

@@ -80,6 +80,15 @@ def test_measures_fixed_lengths_and_stops_the_servers(run):
         pa = res["perf_analyzer"][c]
         assert pa["prompt_tokens_each"] == [8] and pa["pa_infer_per_s"] > 0
         assert pa["pa_latency_ms"]["p50"] > 0
+        # the server's metrics over the load: each model saw its 2 requests; the engine's TTFT
+        # (from the arrival at volundr_llm) lies inside the client's
+        sm = pa["server_metrics"]
+        assert {m: sm[m]["requests"] for m in sm} == {
+            "volundr": 2, "preprocessing": 2, "volundr_llm": 2, "postprocessing": sm[
+                "postprocessing"]["requests"]}, sm
+        assert sm["postprocessing"]["requests"] >= 2 and sm["volundr"]["request_ms"] > 0
+        assert 0 < sm["volundr_llm"]["engine_ttft_ms"] <= pa["ttft_ms"]["mean"], (sm, pa)
+        assert sm["volundr_llm"]["engine_e2e_ms"] <= pa["e2e_ms"]["mean"], (sm, pa)
     # the completions prompt is the text alone; chat wraps it in the template
     assert res["openai"]["completions_s1"]["prompt_tokens_each"] == [8]
     assert res["openai"]["chat_s1"]["prompt_tokens_each"][0] > 8

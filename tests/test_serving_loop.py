@@ -205,3 +205,43 @@ def test_backpressure_refuses_past_the_in_flight_limit(llm, loop):
         assert later.done.wait(60) and not later.errors
     finally:
         lp.shutdown()
+
+
+def test_slow_steps_are_logged_with_what_they_ran(llm, loop, monkeypatch, caplog):
+    """Every step counts as slow here (slow_step_s 0): the warning says how many requests began
+    generating with their prompt tokens, and how long Python's cycle collector ran in the step
+    (a collection forced inside one); the loop's collector clock leaves gc.callbacks with it."""
+    import gc
+    import logging
+    import re
+
+    loop.shutdown()
+    lp = EngineLoop(llm, slow_step_s=0.0).start()
+    step, forced = llm.step, []
+
+    def collecting_step():
+        if not forced:
+            forced.append(gc.collect())
+        return step()
+
+    monkeypatch.setattr(llm, "step", collecting_step)
+    try:
+        prompt = llm.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+        with caplog.at_level(logging.WARNING, logger="volundr.serve"):
+            sinks = [CollectingSink() for _ in range(2)]
+            for i, s in enumerate(sinks):
+                lp.submit(f"slow-{i}", prompt, greedy(6), (), True, s)
+            for s in sinks:
+                assert s.done.wait(60) and not s.errors
+    finally:
+        lp.shutdown()
+    assert lp._gc not in gc.callbacks
+    found = [re.search(r"took ([\d.]+) s: (\d+) requests began generating \((\d+) prompt "
+                       r"tokens\), (\d+) others got tokens, (\d+) tokens out, .* collector ran "
+                       r"([\d.]+) s", r.getMessage()) for r in caplog.records]
+    found = [m for m in found if m]
+    assert found, [r.getMessage() for r in caplog.records]
+    began = sum(int(m[2]) for m in found)
+    assert began == 2 and sum(int(m[3]) for m in found) == 2 * len(prompt)
+    assert sum(int(m[5]) for m in found) == 12  # every token of both, 6 each
+    assert float(found[0][6]) > 0 and all(float(m[1]) >= float(m[6]) for m in found)

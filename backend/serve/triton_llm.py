@@ -9,6 +9,7 @@ stop string.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import queue
@@ -26,6 +27,7 @@ from volundr.session import DEFAULT_SESSION_GIB
 
 log = logging.getLogger("volundr.serve")
 PREFIX_MIN = 4  # ids of context before a chunk, enough for any decoder's look-behind
+SLOW_STEP_S = 1.0  # an engine step longer than this is logged, with what it ran
 
 
 def llm_kwargs(params: dict[str, str]) -> dict:
@@ -144,16 +146,35 @@ class _Active:
     t_first: float | None = None  # its first token's
 
 
+class GcClock:
+    """Seconds Python's cycle collector has run in this process since it was added to
+    gc.callbacks (a full collection over many objects can stall the engine thread)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self._t: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.total += time.perf_counter() - self._t
+            self._t = None
+
+
 class EngineLoop:
     """Owns the LLM on one thread. `submit`, `abort` and `stats` may be called from any thread."""
 
     def __init__(self, llm, idle_wait_s: float = 0.5, max_in_flight: int | None = None,
-                 metrics=None):
+                 metrics=None, slow_step_s: float = SLOW_STEP_S):
         """max_in_flight: backpressure; a request arriving while that many are running or
         waiting is refused at once ("server busy") instead of queueing without bound (Triton
         2.51 has no ensemble `max_inflight_requests`). metrics: volundr.serve.metrics's
-        EngineMetrics (in Triton), told of each request's end and the engine's state."""
+        EngineMetrics (in Triton), told of each request's end and the engine's state. A step
+        longer than slow_step_s is logged (a warning: what it ran, the collector's share)."""
         self.llm = llm
+        self.slow_step_s = slow_step_s
+        self._gc = GcClock()
         self.metrics = metrics
         self._metrics_at = 0.0
         self.max_in_flight = max_in_flight
@@ -168,6 +189,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="volundr-engine", daemon=True)
 
     def start(self) -> EngineLoop:
+        gc.callbacks.append(self._gc)
         self._thread.start()
         return self
 
@@ -175,6 +197,8 @@ class EngineLoop:
         self._stop.set()
         self._q.put(("wake",))
         self._thread.join(timeout)
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
 
     # ---- commands (any thread) -------------------------------------------------------------
     def submit(self, triton_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -281,7 +305,11 @@ class EngineLoop:
             self._finish(rid, "abort")
         if not self.llm.has_unfinished():
             return
-        for out in self.llm.step():
+        t, collected = time.perf_counter(), self._gc.total
+        outs = self.llm.step()
+        if time.perf_counter() - t > self.slow_step_s:
+            self._slow_step(time.perf_counter() - t, self._gc.total - collected, outs)
+        for out in outs:
             a = self._active.get(out.request_id)
             if a is None:
                 continue
@@ -298,6 +326,16 @@ class EngineLoop:
                 self._ended(a, (chunk.finish_reason if chunk is not None else "")
                             or out.finish_reason or "stop")
             self._send(a, chunk, final=done)
+
+    def _slow_step(self, seconds: float, collected: float, outs: list) -> None:
+        first = [o for o in outs if o.new_token_ids and o.num_output_tokens == len(o.new_token_ids)]
+        prompt = sum(a.stream.num_input_tokens for o in first
+                     if (a := self._active.get(o.request_id)) is not None)
+        log.warning("volundr_llm: an engine step took %.2f s: %d requests began generating "
+                    "(%d prompt tokens), %d others got tokens, %d tokens out, %d requests in "
+                    "flight; Python's cycle collector ran %.3f s of it", seconds, len(first),
+                    prompt, sum(1 for o in outs if o.new_token_ids) - len(first),
+                    sum(len(o.new_token_ids) for o in outs), len(self._active), collected)
 
     def _drain(self) -> None:
         """Handles the queued commands, waiting a little for one when the engine is idle."""

@@ -1,0 +1,117 @@
+"""Which step compositions make the prefill path's Triton kernels compile again, on a machine
+without a GPU (tests/test_kernels_compile.py's stand-in sm_90 driver: each launch compiles and
+does not run).
+
+    .venv/bin/python perf/diag_specializations.py --out /tmp/spec.json
+
+Triton compiles a kernel once per specialisation: its constexprs and, for integer and pointer
+arguments not listed in do_not_specialize, whether each is 1 / a multiple of 16 (pointers: 16-byte
+aligned). An engine step's kernels see the step's composition (tokens, sequences, their lengths)
+in such arguments, so a step unlike any before may pay compiles before it runs (bench_serving's
+bursts, perf/RESULTS.md session 37). For each composition in turn (one sequence's prompt, then
+batches of prompts with decodes among them, as serving waves make them) this calls the wrappers
+of one layer's prefill kernels at Volundr-32B's shapes (norms, SwiGLU, host lookups, the KV store
+and prefill attention, KDA's conv and chunked mixer, a mixed-bit matmul) and lists the new
+specialisations each composition made (triton.knobs.runtime.jit_cache_hook) and the seconds its
+compiles took here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+# (decodes, prompts, prompt length) per step, in the order a server might meet them
+COMPOSITIONS = [(0, 1, 128), (0, 16, 128), (1, 15, 128), (2, 14, 128), (5, 11, 128),
+                (0, 16, 136), (3, 13, 136), (1, 15, 128), (0, 1, 136), (4, 1, 200)]
+NEW: list[str] = []
+
+
+def _hook(*, fn=None, compile=None, **_) -> bool:
+    NEW.append(getattr(fn, "name", "?"))
+    return False
+
+
+def layer_step(lens: list[int]) -> None:
+    """One layer's prefill-path kernels for a step of sequences of these new-token counts."""
+    from volundr.kernels.attention import engine as attn
+    from volundr.kernels.engram.lookup import embedding_lookup, engram_lookup
+    from volundr.kernels.kda import engine as kda
+    from volundr.kernels.norm.engine import rms_norm, rms_norm_gated, swiglu
+    from volundr.kernels.quant import engine as quant
+    from volundr.kernels.quant.fit import minmax_quant
+    from volundr.kernels.quant.pack import pack_scale_zero, to_kernel_layout
+
+    bf, d, H, K, kvh = torch.bfloat16, 5120, 40, 128, 2
+    n, t = len(lens), sum(lens)
+    cu_list = [0] + torch.tensor(lens).cumsum(0).tolist()
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    x = torch.randn(t, d, dtype=bf)
+    rms_norm(x, x[0], 1e-6)
+    rms_norm(x, x[0], 1e-6, x)
+    rms_norm_gated(torch.randn(t, H, K, dtype=bf), torch.ones(K, dtype=bf),
+                   torch.randn(t, H, K, dtype=bf), 1e-6)
+    swiglu(torch.randn(t, 1024, dtype=bf), torch.randn(t, 1024, dtype=bf))
+    ids = torch.randint(0, 100, (t, 3))
+    embedding_lookup(ids, torch.randn(100, d, dtype=bf), torch.empty(t, d, dtype=bf))
+    z8 = torch.zeros(8, dtype=torch.long)
+    engram_lookup(ids, torch.randn(800, 256, dtype=bf), z8, z8 + 100,
+                  torch.full((8,), 2, dtype=torch.int32), z8 + 1,
+                  torch.empty(t, 8 * 256, dtype=bf))
+    # attention: the new tokens' K/V stored, then attention over cache + themselves
+    blocks = max(1, -(-max(lens) // 16))
+    kc = torch.zeros(n * blocks, 16, kvh, K, dtype=bf)
+    qkv = torch.randn(t, H + 2 * kvh, K, dtype=bf)
+    q, kn, vn = qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
+    attn.store_kv(kn, vn, kc, kc.clone(), torch.arange(t))
+    tables = torch.arange(n * blocks, dtype=torch.int32).view(n, blocks)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    attn.paged_attention(q, kc, kc.clone(), tables, cu, ctx, K ** -0.5, max(lens), max(lens),
+                         kn, vn)
+    # KDA: the short conv, then the mixer (chunked, or recurrent for short sequences)
+    slots = torch.arange(n)
+    y = kda.causal_conv(torch.randn(t, 3 * H * K, dtype=bf), torch.randn(3 * H * K, 4, dtype=bf),
+                        torch.zeros(n + 1, 3 * H * K, 3, dtype=bf), slots, cu, "silu")
+    qq, kk, vv = y.view(t, 3, H, K).unbind(1)
+    kda.kda_mixer(qq, kk, vv, torch.randn(t, H, K, dtype=bf), torch.randn(t, H, dtype=bf),
+                  torch.zeros(n + 1, H, K, K), slots, cu, cu_list, K ** -0.5,
+                  A_log=torch.zeros(H, dtype=bf), dt_bias=torch.zeros(H * K, dtype=bf))
+    # a mixed-bit linear over the step's rows (M > 128: dequantised, then cuBLAS)
+    qw, s, zr = minmax_quant(torch.randn(256, 1024) / 32, 4, 128)
+    quant.quant_matmul(torch.randn(t, 1024, dtype=bf), *to_kernel_layout(qw, 4, 128),
+                       pack_scale_zero(s, zr), 4, 128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, str(TESTS))
+    import triton
+    from test_kernels_compile import _install_fake_driver
+
+    _install_fake_driver()
+    triton.knobs.runtime.jit_cache_hook = _hook
+    res = []
+    for decodes, prompts, plen in COMPOSITIONS:
+        lens = [1] * decodes + [plen] * prompts
+        NEW.clear()
+        t = time.perf_counter()
+        layer_step(lens)
+        row = {"decodes": decodes, "prompts": prompts, "prompt_len": plen, "tokens": sum(lens),
+               "seconds": round(time.perf_counter() - t, 2), "new": sorted(NEW)}
+        res.append(row)
+        print(f"{decodes:2d} decodes + {prompts:2d} x {plen} ({sum(lens):5d} tokens): "
+              f"{row['seconds']:6.2f} s, {len(NEW)} new: {', '.join(row['new'])}"[:400],
+              flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
