@@ -30,13 +30,6 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 # (decodes, prompts, prompt length) per step, in the order a server might meet them
 COMPOSITIONS = [(0, 1, 128), (0, 16, 128), (1, 15, 128), (2, 14, 128), (5, 11, 128),
                 (0, 16, 136), (3, 13, 136), (1, 15, 128), (0, 1, 136), (4, 1, 200)]
-NEW: list[str] = []
-
-
-def _hook(*, fn=None, compile=None, **_) -> bool:
-    NEW.append(getattr(fn, "name", "?"))
-    return False
-
 
 def layer_step(lens: list[int]) -> None:
     """One layer's prefill-path kernels for a step of sequences of these new-token counts."""
@@ -93,22 +86,23 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))
-    import triton
+    from diag_admission import COMPILED, install_hook
     from test_kernels_compile import _install_fake_driver
 
     _install_fake_driver()
-    triton.knobs.runtime.jit_cache_hook = _hook
+    install_hook()
     res = []
     for decodes, prompts, plen in COMPOSITIONS:
         lens = [1] * decodes + [plen] * prompts
-        NEW.clear()
+        COMPILED.clear()
         t = time.perf_counter()
         layer_step(lens)
         row = {"decodes": decodes, "prompts": prompts, "prompt_len": plen, "tokens": sum(lens),
-               "seconds": round(time.perf_counter() - t, 2), "new": sorted(NEW)}
+               "seconds": round(time.perf_counter() - t, 2), "new": sorted(COMPILED)}
         res.append(row)
         print(f"{decodes:2d} decodes + {prompts:2d} x {plen} ({sum(lens):5d} tokens): "
-              f"{row['seconds']:6.2f} s, {len(NEW)} new: {', '.join(row['new'])}"[:400],
+              f"{row['seconds']:6.2f} s, {len(COMPILED)} new: "
+              f"{', '.join(c.split(' ', 1)[0] for c in row['new'])}"[:400],
               flush=True)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -307,8 +307,9 @@ class EngineLoop:
             return
         t, collected = time.perf_counter(), self._gc.total
         outs = self.llm.step()
-        if time.perf_counter() - t > self.slow_step_s:
-            self._slow_step(time.perf_counter() - t, self._gc.total - collected, outs)
+        seconds = time.perf_counter() - t
+        if seconds > self.slow_step_s:
+            self._slow_step(seconds, self._gc.total - collected, outs)
         for out in outs:
             a = self._active.get(out.request_id)
             if a is None:
