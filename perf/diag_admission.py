@@ -79,9 +79,11 @@ def main() -> None:
     ap.add_argument("--gpu-gib", type=float, default=46.0)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--waves", default="1+15,1+15,2+14,16+0,1+15,3+13,1+15",
+    ap.add_argument("--waves", default="1+15,1+15,2+14,16+0,1+15,3+13,1+15,5+3",
                     help="first+rest per wave, in order")
     ap.add_argument("--slow-ms", type=float, default=100.0)
+    ap.add_argument("--warm-up", action="store_true",
+                    help="volundr.warmup's steps first (as a server runs them before ready)")
     args = ap.parse_args()
     hooked = install_hook()
     cuda = args.device == "cuda"
@@ -90,6 +92,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "hook": hooked,
            "args": vars(args), "waves": []}
+    if args.warm_up:
+        from volundr.warmup import warm_up
+
+        COMPILED.clear()
+        t = time.perf_counter()
+        report = warm_up(e)
+        sync()
+        res["warm_up"] = {"s": round(time.perf_counter() - t, 3), "compiled": list(COMPILED),
+                          "steps": [vars(s) for s in report.steps]}
+        print(f"{report.summary()}; {len(COMPILED)} kernels specialised", flush=True)
     for i, w in enumerate(args.waves.split(",")):
         first, rest = map(int, w.split("+"))
         steps = wave(e, first, rest, args.prompt_len, args.tokens, g, f"w{i}")

@@ -87,7 +87,8 @@ def serving(tiny_dir: Path, tmp_path_factory) -> Serving:
                          "--http-port", str(http), "--grpc-port", str(grpc),
                          "--metrics-port", str(metrics), "--proxy-port", str(proxy),
                          "--log-dir", str(log_dir), "--startup-timeout", str(STARTUP_TIMEOUT_S),
-                         "--drafter", "tiny"]  # greedy requests decode speculatively
+                         "--drafter", "tiny",  # greedy requests decode speculatively
+                         "--warmup", "1"]  # (on the CPU too: volundr.warmup's steps before ready)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     s = Serving(proc, tiny_dir, log_dir, http, grpc, metrics, proxy)

@@ -4,6 +4,7 @@ extension, perf_analyzer, cancellation and aborts visible in the engine stats.""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
@@ -41,6 +42,19 @@ def wait_idle(url: str, timeout_s: float = 20.0) -> dict:
         if (idle and s["num_blocks_free"] == s["num_blocks_total"]) or time.monotonic() > deadline:
             return s
         time.sleep(0.1)
+
+
+def test_engine_warmed_up_before_ready(serving):
+    """--warmup 1 (conftest): volundr_llm ran volundr.warmup's steps in initialize, and the
+    engine it then served from had every block and slot free and no speculative counts."""
+    log = (serving.log_dir / "tritonserver.log").read_text(errors="replace")
+    steps = re.search(r"volundr_llm: warm-up: (\d+) steps in", log)
+    assert steps and int(steps.group(1)) >= 10, log[-3000:]
+    stats = re.search(r"volundr_llm: .* on cpu, context .*stats (\{.*\})", log)
+    stats = ast.literal_eval(stats.group(1))
+    assert stats["num_blocks_free"] == stats["num_blocks_total"] > 0
+    assert stats["num_slots_free"] == stats["num_slots_total"]
+    assert stats["spec_steps"] == stats["spec_tokens"] == stats["running"] == 0
 
 
 def test_grpc_stream_ensemble_text_and_messages(serving):

@@ -166,6 +166,21 @@ def test_kv_cache_dtype_and_session_flags_reach_the_engine(tiny_dir, tmp_path):
     assert kw["session_gib"] == 0.25
     with LLM(tiny_dir, **kw) as llm:
         assert llm.engine.sessions.capacity_bytes == 2**28
+    # --warmup: volundr_llm's `warmup` parameter, "auto" warming a GPU engine only
+    from volundr.serve.triton_llm import wants_warmup
+
+    def warm(*flags: str) -> str:
+        o = build_options(parse_args(["--model", str(tiny_dir), *flags]))
+        return llm_parameters(o)["warmup"]
+
+    assert warm() == "auto" and warm("--warmup", "0") == "0"
+    assert parse(source_repository() / "volundr_llm" / "config.pbtxt").parameters[
+        "warmup"].string_value == "auto"
+    assert [wants_warmup({"warmup": w}, d) for w, d in (
+        ("auto", "cuda"), ("auto", "cuda:1"), ("auto", "cpu"), ("", "cpu"), ("1", "cpu"),
+        ("0", "cuda"))] == [True, True, False, False, True, False]
+    with pytest.raises(ValueError, match="warmup"):
+        wants_warmup({"warmup": "yes"}, "cuda")
     # --auto-session goes to the proxy (StackOptions -> its --auto-session)
     assert build_options(parse_args(["--model", str(tiny_dir), "--auto-session"])).auto_session
     assert not build_options(parse_args(["--model", str(tiny_dir)])).auto_session

@@ -149,6 +149,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-min-tokens", type=float,
                     help="a sequence whose first 16 speculative steps made fewer tokens a step "
                     "than this decodes plainly after them (0: never; default 1.3, the engine's)")
+    ap.add_argument("--warmup", choices=("auto", "1", "0"), default="auto",
+                    help="before reporting ready, run a server's first kinds of engine steps on "
+                    "made-up prompts so that their GPU kernels compile then, not during the "
+                    "first requests (auto: on a GPU)")
     ap.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -206,7 +210,7 @@ def build_options(args: argparse.Namespace):
                         startup_timeout_s=args.startup_timeout, log_dir=args.log_dir,
                         proxy=not args.no_proxy, reasoning_split=not args.no_reasoning_split,
                         reasoning_opened=args.reasoning_opened_in_prompt,
-                        auto_session=args.auto_session)
+                        auto_session=args.auto_session, warmup=args.warmup)
 
 
 def main(argv: list[str] | None = None) -> int:

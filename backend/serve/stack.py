@@ -47,6 +47,7 @@ class StackOptions:
     draft_dir: Path | str | None = None
     num_speculative_tokens: int | None = None  # None: the engine's default
     spec_min_tokens: float | None = None  # None: the engine's default
+    warmup: str = "auto"  # volundr_llm runs volundr.warmup before ready: auto (on a GPU), 1, 0
 
 
 def llm_parameters(o: StackOptions) -> dict[str, str]:
@@ -63,7 +64,7 @@ def llm_parameters(o: StackOptions) -> dict[str, str]:
             "draft_model_dir": "" if o.draft_dir is None else str(o.draft_dir),
             "num_speculative_tokens": str(o.num_speculative_tokens or ""),
             "spec_min_tokens": "" if o.spec_min_tokens is None else f"{o.spec_min_tokens:g}",
-            "max_inflight": str(p.max_inflight),
+            "max_inflight": str(p.max_inflight), "warmup": o.warmup,
             "gpu_gib": "" if p.gpu_gib is None else f"{p.gpu_gib:g}"}
 
 

@@ -49,6 +49,15 @@ def llm_kwargs(params: dict[str, str]) -> dict:
                                  if params.get("spec_min_tokens") else None))
 
 
+def wants_warmup(params: dict[str, str], device: str) -> bool:
+    """volundr_llm's `warmup` parameter: "auto" (the default) warms an engine on a GPU only,
+    where Triton kernels compile; the CPU's ops are PyTorch's."""
+    value = params.get("warmup") or "auto"
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"warmup must be auto, 1 or 0, not {value!r}")
+    return value == "1" or (value == "auto" and not device.startswith("cpu"))
+
+
 @dataclass(frozen=True)
 class Chunk:
     output_ids: list[int]

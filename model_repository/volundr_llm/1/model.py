@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from volundr.serve.llm_inputs import generation_defaults, parse_control, parse_llm_request
 from volundr.serve.metrics import EngineMetrics
 from volundr.serve.repo import model_parameters, resolve_model_dir
-from volundr.serve.triton_llm import Chunk, EngineLoop, llm_kwargs, logprobs_json
+from volundr.serve.triton_llm import Chunk, EngineLoop, llm_kwargs, logprobs_json, wants_warmup
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -70,6 +70,10 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(params.get("model_dir", ""))
         self.llm = LLM(model_dir, **llm_kwargs(params))
         self.defaults = generation_defaults(self.llm.model_dir)
+        if wants_warmup(params, self.llm.engine.ecfg.device):
+            from volundr.warmup import warm_up
+
+            pb_utils.Logger.log_info(f"volundr_llm: {warm_up(self.llm.engine).summary()}")
         self.metrics = EngineMetrics(pb_utils.MetricFamily, {
             "model": args["model_name"], "version": args["model_version"]})
         self.loop = EngineLoop(self.llm,

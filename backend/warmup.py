@@ -1,0 +1,107 @@
+"""A server's first kinds of engine steps, run on made-up prompts before it takes requests.
+
+Triton compiles a kernel variant the first time it meets a new specialisation: integer
+arguments that are 1 or divisible by 16, and constexprs chosen from a step's shape (rows of a
+prefill, sequences of a conv step, the GEMM tile for M > 128). CUDA-graph capture compiles the
+decode step's kernels at start-up, but not the prefill's: a fresh server's first burst of
+requests met steps that compiled 4-20 kernels per layer kind (perf/diag_specializations.py,
+session 37), stalling every running stream for seconds (perf/RESULTS.md, runs 154/156). This
+runs those compositions first, so the compiles (and the disk cache's loads) happen before the
+server reports ready. Bookkeeping only: it adds requests and steps the engine like any caller.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from volundr.sampling_params import SamplingParams
+
+# prompt lengths of a burst: one token, a multiple of 16, odd ones (Triton specialises integer
+# arguments on divisibility by 16 and on == 1)
+BURST_LENGTHS = (77, 1, 128, 33, 16, 100, 5, 64)
+
+
+@dataclass
+class WarmStep:
+    prefill_tokens: int  # prompt tokens the step ran (chunks included)
+    prefill_seqs: int
+    decode_seqs: int  # sequences that made a token from a computed prompt
+    seconds: float
+
+
+@dataclass
+class WarmUp:
+    steps: list[WarmStep] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    def summary(self) -> str:
+        if not self.steps:
+            return "warm-up: no steps"
+        slow = max(self.steps, key=lambda s: s.seconds)
+        return (f"warm-up: {len(self.steps)} steps in {self.seconds:.1f} s (slowest "
+                f"{slow.seconds:.2f} s: {slow.prefill_seqs} prompts of {slow.prefill_tokens} "
+                f"tokens beside {slow.decode_seqs} decodes)")
+
+
+def _step(engine, report: WarmUp) -> None:
+    before = {rid: (s.num_computed_tokens, s.num_prompt_tokens)
+              for rid, s in engine.requests.items()}
+    t = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - t
+    tokens = seqs = decodes = 0
+    for rid, (done, prompt) in before.items():
+        seq = engine.requests.get(rid)
+        now = seq.num_computed_tokens if seq is not None else prompt
+        if done >= prompt:
+            decodes += 1
+        elif now > done:
+            tokens, seqs = tokens + min(now, prompt) - done, seqs + 1
+    report.steps.append(WarmStep(tokens, seqs, decodes, seconds))
+
+
+def warm_up(engine, seed: int = 0) -> WarmUp:
+    """Runs, on an idle engine (LLMEngine), greedy requests of random tokens: a prompt alone;
+    one prompt, then max_num_seqs - 1 more of assorted lengths beside its decode (a burst);
+    a prompt longer than a step's token budget beside a decode (chunked prefill over a cached
+    prefix). Each makes enough tokens for multi-step decode (and speculation) to run. The engine
+    is left as it was: every block and slot free, its speculative counters at zero."""
+    if engine.has_unfinished() or engine.requests:
+        raise RuntimeError("warm_up needs an idle engine")
+    ecfg = engine.ecfg
+    rng = random.Random(seed)
+    out = min(2 * ecfg.decode_steps + 2, 64)
+    cap = ecfg.max_model_len - out - 1  # a prompt's longest
+    if cap < 1:
+        return WarmUp()
+    params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+    report = WarmUp()
+    names = iter(range(10**9))
+
+    def add(length: int) -> None:
+        ids = [rng.randrange(16, engine.cfg.vocab_size) for _ in range(max(1, min(length, cap)))]
+        engine.add_request(ids, params, f"warm-up-{next(names)}")
+
+    def finish() -> None:
+        while engine.has_unfinished():
+            _step(engine, report)
+
+    add(128)  # a prompt alone
+    finish()
+    add(BURST_LENGTHS[0])  # a burst: its first request admitted alone, the rest a step later
+    _step(engine, report)
+    for i in range(1, ecfg.max_num_seqs):
+        add(BURST_LENGTHS[i % len(BURST_LENGTHS)])
+    finish()
+    if ecfg.max_num_batched_tokens < cap:  # a long prompt: chunks, the later over a prefix
+        add(16)
+        _step(engine, report)
+        add(ecfg.max_num_batched_tokens + ecfg.max_num_batched_tokens // 2 + 3)
+        finish()
+    engine.spec_steps = engine.spec_seqs = engine.spec_tokens = engine.spec_stopped = 0
+    return report
