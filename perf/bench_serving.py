@@ -188,10 +188,14 @@ def run(args: argparse.Namespace, res: dict, out: Path) -> None:
         measure(res, "checks", "triton",
                 lambda: triton_check(stack.grpc_url, text, n_out, temp), out)
         exe = find_perf_analyzer(args.perf_analyzer)
+
+        def pa(name: str, c: int, rounds: int, files: Path) -> None:
+            measure(res, "perf_analyzer", name, lambda: perf_analyzer(
+                exe, stack.grpc_url, text, n_out, temp, c, c * rounds, files,
+                args.measure_timeout), out, stack.metrics_url)
+
         for c, rounds in levels:
-            measure(res, "perf_analyzer", f"c{c}", lambda c=c, r=rounds: perf_analyzer(
-                exe, stack.grpc_url, text, n_out, temp, c, c * r, work, args.measure_timeout),
-                out, stack.metrics_url)
+            pa(f"c{c}", c, rounds, work)
         name = res["server"]["served_model_name"]
         for ep in args.endpoints.split(","):
             for streams, rounds in levels:
@@ -201,9 +205,7 @@ def run(args: argparse.Namespace, res: dict, out: Path) -> None:
                         sdk_load(stack.proxy_url, ep, name, text, n_out, temp, s, r,
                                  args.measure_timeout), out, stack.metrics_url)
         if n > 1:  # perf_analyzer's N level again, after everything: a first-burst cost shows
-            measure(res, "perf_analyzer", f"c{n}_again", lambda: perf_analyzer(
-                exe, stack.grpc_url, text, n_out, temp, n, n * args.rounds, work / "again",
-                args.measure_timeout), out, stack.metrics_url)
+            pa(f"c{n}_again", n, args.rounds, work / "again")
     except KeyboardInterrupt:
         res["errors"].append("interrupted")
     except Exception as e:
