@@ -12,6 +12,7 @@ server reports ready. Bookkeeping only: it adds requests and steps the engine li
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -25,10 +26,17 @@ BURST_LENGTHS = (77, 1, 128, 33, 16, 100, 5, 64)
 
 @dataclass
 class WarmStep:
-    prefill_tokens: int  # prompt tokens the step ran (chunks included)
-    prefill_seqs: int
+    prefill: list[int]  # the prompt tokens (or chunk) the step ran of each prefilling sequence
     decode_seqs: int  # sequences that made a token from a computed prompt
     seconds: float
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.prefill)
+
+    @property
+    def prefill_seqs(self) -> int:
+        return len(self.prefill)
 
 
 @dataclass
@@ -54,20 +62,21 @@ def _step(engine, report: WarmUp) -> None:
     t = time.perf_counter()
     engine.step()
     seconds = time.perf_counter() - t
-    tokens = seqs = decodes = 0
+    prefill, decodes = [], 0
     for rid, (done, prompt) in before.items():
         seq = engine.requests.get(rid)
         now = seq.num_computed_tokens if seq is not None else prompt
         if done >= prompt:
             decodes += 1
         elif now > done:
-            tokens, seqs = tokens + min(now, prompt) - done, seqs + 1
-    report.steps.append(WarmStep(tokens, seqs, decodes, seconds))
+            prefill.append(min(now, prompt) - done)
+    report.steps.append(WarmStep(prefill, decodes, seconds))
 
 
 def warm_up(engine, seed: int = 0) -> WarmUp:
     """Runs, on an idle engine (LLMEngine), greedy requests of random tokens: a prompt alone;
-    one prompt, then max_num_seqs - 1 more of assorted lengths beside its decode (a burst);
+    prompts beside decodes in steps of 2, 4, 8, ... max_num_seqs sequences; one prompt, then
+    max_num_seqs - 1 more of assorted lengths beside its decode (a burst);
     a prompt longer than a step's token budget beside a decode (chunked prefill over a cached
     prefix). Each makes enough tokens for multi-step decode (and speculation) to run. The engine
     is left as it was: every block and slot free, its speculative counters at zero."""
@@ -91,12 +100,25 @@ def warm_up(engine, seed: int = 0) -> WarmUp:
         while engine.has_unfinished():
             _step(engine, report)
 
+    lengths = itertools.cycle(BURST_LENGTHS)
     add(128)  # a prompt alone
+    finish()
+    # prompts beside decodes in steps of 2, 4, 8, ... sequences (kernels size blocks by the
+    # step's sequences rounded up to a power of two: one variant each)
+    add(next(lengths))
+    _step(engine, report)
+    n = 1
+    while n < ecfg.max_num_seqs:
+        k = min(n, ecfg.max_num_seqs - n)
+        for _ in range(k):
+            add(next(lengths))
+        _step(engine, report)
+        n += k
     finish()
     add(BURST_LENGTHS[0])  # a burst: its first request admitted alone, the rest a step later
     _step(engine, report)
-    for i in range(1, ecfg.max_num_seqs):
-        add(BURST_LENGTHS[i % len(BURST_LENGTHS)])
+    for _ in range(1, ecfg.max_num_seqs):
+        add(next(lengths))
     finish()
     if ecfg.max_num_batched_tokens < cap:  # a long prompt: chunks, the later over a prefix
         add(16)

@@ -81,23 +81,48 @@ def layer_step(lens: list[int]) -> None:
                        pack_scale_zero(s, zr), 4, 128)
 
 
+def warm_up_steps() -> list[tuple]:
+    """volundr.warmup's prefill steps as (decodes, prompts, longest, lens): its requests on the
+    tiny model, scheduled as the 48gb profile schedules them (16 sequences, 8192 tokens a step,
+    decode_steps 8); the composition is the scheduler's, whatever the model."""
+    from volundr.converter.presets import get_config, random_state_dict
+    from volundr.engine import EngineConfig, LLMEngine
+    from volundr.warmup import warm_up
+
+    cfg = get_config("tiny", vocab_size=512)
+    e = LLMEngine(cfg, random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1),
+                  EngineConfig(device="cpu", dtype=torch.float32, max_num_seqs=16,
+                               max_num_batched_tokens=8192, max_model_len=16384,
+                               num_kv_blocks=2048, decode_steps=8, cuda_graphs=False), (2,))
+    return [(s.decode_seqs, s.prefill_seqs, max(s.prefill), [1] * s.decode_seqs + s.prefill)
+            for s in warm_up(e).steps if s.prefill]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--warm-up", action="store_true",
+                    help="volundr.warmup's steps first, at the 48gb profile's settings (taken "
+                    "from the tiny model's warm-up on the CPU): the compositions after it "
+                    "should then compile nothing")
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))
     from diag_admission import COMPILED, install_hook
     from test_kernels_compile import _install_fake_driver
 
+    steps = [(decodes, prompts, plen, [1] * decodes + [plen] * prompts)
+             for decodes, prompts, plen in COMPOSITIONS]
+    if args.warm_up:
+        steps = warm_up_steps() + steps
     _install_fake_driver()
     install_hook()
     res = []
-    for decodes, prompts, plen in COMPOSITIONS:
-        lens = [1] * decodes + [plen] * prompts
+    for decodes, prompts, plen, lens in steps:
         COMPILED.clear()
         t = time.perf_counter()
         layer_step(lens)
-        row = {"decodes": decodes, "prompts": prompts, "prompt_len": plen, "tokens": sum(lens),
+        row = {"decodes": decodes, "prompts": prompts, "prompt_len": plen, "lens": lens,
+               "tokens": sum(lens),
                "seconds": round(time.perf_counter() - t, 2), "new": sorted(COMPILED)}
         res.append(row)
         print(f"{decodes:2d} decodes + {prompts:2d} x {plen} ({sum(lens):5d} tokens): "
