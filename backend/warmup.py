@@ -4,7 +4,7 @@ Triton compiles a kernel variant the first time it meets a new specialisation: i
 arguments that are 1 or divisible by 16, and constexprs chosen from a step's shape (rows of a
 prefill, sequences of a conv step, the GEMM tile for M > 128). CUDA-graph capture compiles the
 decode step's kernels at start-up, but not the prefill's: a fresh server's first burst of
-requests met steps that compiled 4-20 kernels per layer kind (perf/diag_specializations.py,
+requests met steps that compiled 1-17 kernels of one layer each (perf/diag_specializations.py,
 session 37), stalling every running stream for seconds (perf/RESULTS.md, runs 154/156). This
 runs those compositions first, so the compiles (and the disk cache's loads) happen before the
 server reports ready. Bookkeeping only: it adds requests and steps the engine like any caller.
