@@ -90,7 +90,7 @@ def warm_up(engine, seed: int = 0) -> WarmUp:
         return WarmUp()
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     report = WarmUp()
-    names = iter(range(10**9))
+    names = itertools.count()
 
     def add(length: int) -> None:
         ids = [rng.randrange(16, engine.cfg.vocab_size) for _ in range(max(1, min(length, cap)))]

@@ -5,22 +5,13 @@ the engine as a fresh one: the same replies, every block and slot free."""
 from __future__ import annotations
 
 import pytest
-import torch
-from test_engine import EOS, make_engine, prompts, run_all
+from test_engine import make_engine, prompts, run_all, tiny  # noqa: F401 (the fixture)
 
 from volundr.sampling_params import SamplingParams
 from volundr.warmup import warm_up
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from volundr.converter.presets import get_config, random_state_dict
-
-    cfg = get_config("tiny", vocab_size=512, eos_token_id=EOS)
-    return cfg, random_state_dict(cfg, "cpu", dtype=torch.float32, seed=1)
-
-
-def test_warm_up_runs_a_servers_first_steps_and_leaves_the_engine_fresh(tiny):
+def test_warm_up_runs_a_servers_first_steps_and_leaves_the_engine_fresh(tiny):  # noqa: F811
     kw = dict(max_num_seqs=6, max_num_batched_tokens=64, decode_steps=3)
     warm, fresh = make_engine(tiny, **kw), make_engine(tiny, **kw)
     report = warm_up(warm)
@@ -45,7 +36,7 @@ def test_warm_up_runs_a_servers_first_steps_and_leaves_the_engine_fresh(tiny):
     assert run_all(warm, reqs, [0, 0, 1, 2, 2]) == run_all(fresh, reqs, [0, 0, 1, 2, 2])
 
 
-def test_warm_up_refuses_a_busy_engine(tiny):
+def test_warm_up_refuses_a_busy_engine(tiny):  # noqa: F811
     e = make_engine(tiny)
     e.add_request([5, 6, 7], SamplingParams(max_tokens=2), "busy")
     with pytest.raises(RuntimeError, match="idle"):
