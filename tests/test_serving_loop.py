@@ -245,3 +245,86 @@ def test_slow_steps_are_logged_with_what_they_ran(llm, loop, monkeypatch, caplog
     assert began == 2 and sum(int(m[3]) for m in found) == 2 * len(prompt)
     assert sum(int(m[5]) for m in found) == 12  # every token of both, 6 each
     assert float(found[0][6]) > 0 and all(float(m[1]) >= float(m[6]) for m in found)
+
+
+JIT_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_kernels_compile import _install_fake_driver
+_install_fake_driver()
+from triton import knobs
+from volundr.kernels.norm.engine import rms_norm
+from volundr.serve.clocks import JitClock
+
+theirs = []
+knobs.runtime.jit_cache_hook = lambda **kw: theirs.append(kw["fn"].name) or False
+clock = JitClock()
+assert clock.install()
+w = torch.ones(256, dtype=torch.bfloat16)
+counts = []
+for rows in (16, 32, 5, 16):  # 16 and 32 share a specialisation; 5 rows (not % 16) do not
+    rms_norm(torch.randn(rows, 256, dtype=torch.bfloat16), w, 1e-6)
+    counts.append(clock.count)
+clock.uninstall()
+rms_norm(torch.randn(7, 256, dtype=torch.bfloat16), w, 1e-6, torch.randn(7, 256).bfloat16())
+print(json.dumps({"counts": counts, "names": clock.names, "total": clock.total,
+                  "after": clock.count, "theirs": theirs,
+                  "restored": knobs.runtime.jit_post_compile_hook is None}))
+"""
+
+
+def test_jit_clock_counts_triton_specialisations():
+    """volundr.serve.clocks.JitClock counts the kernels Triton specialises while it is installed,
+    with their compile seconds (Triton's real compiler for sm_90 under test_kernels_compile's
+    stand-in driver, in a subprocess): a new row count that is not a multiple of 16 makes one
+    more, a repeated one none; hooks installed before it still see every specialisation, and
+    uninstall hands theirs back. The engine loop logs each step that specialised kernels."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    p = subprocess.run([sys.executable, "-c", JIT_SCRIPT, str(tests)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["counts"] == [1, 1, 2, 2], r
+    assert r["names"] == ["_rms_norm_kernel"] * 2 and r["total"] > 0
+    assert r["after"] == 2  # (the residual variant compiled after uninstall: not counted)
+    assert r["theirs"] == ["_rms_norm_kernel"] * 3 and r["restored"]
+
+
+def test_steps_that_specialise_triton_kernels_are_logged(llm, loop, monkeypatch, caplog):
+    """A step during which Triton specialised kernels (here: the JIT hooks called from inside
+    the step as Triton's JITFunction calls them) is logged with their count, seconds and
+    names; steps that specialise none are not."""
+    import logging
+
+    from triton import knobs
+
+    loop.shutdown()
+    lp = EngineLoop(llm).start()
+    step, calls = llm.step, []
+
+    def compiling_step():
+        calls.append(1)
+        if len(calls) == 2:
+            info = type("Info", (), {"name": "_made_up_kernel"})()
+            assert knobs.runtime.jit_cache_hook(fn=info) is False
+            knobs.runtime.jit_post_compile_hook(fn=info)
+        return step()
+
+    monkeypatch.setattr(llm, "step", compiling_step)
+    try:
+        prompt = llm.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+        with caplog.at_level(logging.WARNING, logger="volundr.serve"):
+            sink = CollectingSink()
+            lp.submit("jit-0", prompt, greedy(9), (), True, sink)
+            assert sink.done.wait(60) and not sink.errors
+    finally:
+        lp.shutdown()
+    msgs = [r.getMessage() for r in caplog.records if "specialise" in r.getMessage()]
+    assert len(calls) > 2 and len(msgs) == 1, msgs
+    assert "specialise 1 kernels" in msgs[0] and msgs[0].endswith(": _made_up_kernel")
+    assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None

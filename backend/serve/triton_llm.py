@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from volundr.sampling_params import SamplingParams
+from volundr.serve.clocks import GcClock, JitClock
 from volundr.serve.detok import Utf8Boundary, text_delta
 from volundr.serve.stop import find_stop, partial_stop_len
 from volundr.session import DEFAULT_SESSION_GIB
@@ -155,22 +156,6 @@ class _Active:
     t_first: float | None = None  # its first token's
 
 
-class GcClock:
-    """Seconds Python's cycle collector has run in this process since it was added to
-    gc.callbacks (a full collection over many objects can stall the engine thread)."""
-
-    def __init__(self):
-        self.total = 0.0
-        self._t: float | None = None
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        elif self._t is not None:
-            self.total += time.perf_counter() - self._t
-            self._t = None
-
-
 class EngineLoop:
     """Owns the LLM on one thread. `submit`, `abort` and `stats` may be called from any thread."""
 
@@ -180,10 +165,12 @@ class EngineLoop:
         waiting is refused at once ("server busy") instead of queueing without bound (Triton
         2.51 has no ensemble `max_inflight_requests`). metrics: volundr.serve.metrics's
         EngineMetrics (in Triton), told of each request's end and the engine's state. A step
-        longer than slow_step_s is logged (a warning: what it ran, the collector's share)."""
+        longer than slow_step_s is logged (a warning: what it ran, the collector's share), and so
+        is any step that made Triton specialise kernels (how many, their seconds, names)."""
         self.llm = llm
         self.slow_step_s = slow_step_s
         self._gc = GcClock()
+        self._jit = JitClock()
         self.metrics = metrics
         self._metrics_at = 0.0
         self.max_in_flight = max_in_flight
@@ -199,6 +186,7 @@ class EngineLoop:
 
     def start(self) -> EngineLoop:
         gc.callbacks.append(self._gc)
+        self._jit.install()
         self._thread.start()
         return self
 
@@ -208,6 +196,7 @@ class EngineLoop:
         self._thread.join(timeout)
         if self._gc in gc.callbacks:
             gc.callbacks.remove(self._gc)
+        self._jit.uninstall()
 
     # ---- commands (any thread) -------------------------------------------------------------
     def submit(self, triton_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -315,10 +304,15 @@ class EngineLoop:
         if not self.llm.has_unfinished():
             return
         t, collected = time.perf_counter(), self._gc.total
+        jit_n, jit_s = self._jit.count, self._jit.total
         outs = self.llm.step()
         seconds = time.perf_counter() - t
         if seconds > self.slow_step_s:
             self._slow_step(seconds, self._gc.total - collected, outs)
+        if self._jit.count > jit_n:
+            log.warning("volundr_llm: an engine step made Triton specialise %d kernels (%.2f s "
+                        "of its %.2f s): %s", self._jit.count - jit_n, self._jit.total - jit_s,
+                        seconds, ", ".join(self._jit.names[jit_n:]))
         for out in outs:
             a = self._active.get(out.request_id)
             if a is None:
