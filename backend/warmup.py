@@ -74,7 +74,7 @@ def _step(engine, report: WarmUp) -> None:
 
 
 def warm_up(engine, seed: int = 0) -> WarmUp:
-    """Runs, on an idle engine (LLMEngine), greedy requests of random tokens: a prompt alone;
+    """Runs, on an idle engine (LLMEngine), greedy requests of random tokens: prompts alone;
     prompts beside decodes in steps of 2, 4, 8, ... max_num_seqs sequences; one prompt, then
     max_num_seqs - 1 more of assorted lengths beside its decode (a burst);
     a prompt longer than a step's token budget beside a decode (chunked prefill over a cached
@@ -101,8 +101,9 @@ def warm_up(engine, seed: int = 0) -> WarmUp:
             _step(engine, report)
 
     lengths = itertools.cycle(BURST_LENGTHS)
-    add(128)  # a prompt alone
-    finish()
+    for length in (128, 29):  # a prompt alone: a multiple of 16, and odd rows in (16, 64]
+        add(length)  # (quant_matmul's split count follows M's 64-row tiles)
+        finish()
     # prompts beside decodes in steps of 2, 4, 8, ... sequences (kernels size blocks by the
     # step's sequences rounded up to a power of two: one variant each)
     add(next(lengths))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,10 @@ def main() -> None:
                     help="volundr.warmup's steps first, at the 48gb profile's settings (taken "
                     "from the tiny model's warm-up on the CPU): the compositions after it "
                     "should then compile nothing")
+    ap.add_argument("--random", type=int, default=0, metavar="N",
+                    help="N more compositions after the listed ones, drawn at random (seeded): "
+                    "up to 16 sequences, a random share of them decodes, prompt lengths 1-700 "
+                    "each (a serving mix of chat and completions prompts)")
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))
     from diag_admission import COMPILED, install_hook
@@ -114,6 +119,12 @@ def main() -> None:
              for decodes, prompts, plen in COMPOSITIONS]
     if args.warm_up:
         steps = warm_up_steps() + steps
+    rng = random.Random(0)
+    for _ in range(args.random):
+        n = rng.randint(1, 16)
+        decodes = rng.randint(0, n - 1)
+        lens = [1] * decodes + [rng.randint(1, 700) for _ in range(n - decodes)]
+        steps.append((decodes, n - decodes, max(lens[decodes:]), lens))
     _install_fake_driver()
     install_hook()
     res = []

@@ -40,7 +40,8 @@ def _conv_taps(x, w, st, o_t, bos, eos, slot, o_c, m_c, s_xt, C,
     return acc
 
 
-@triton.jit(do_not_specialize=["T"])
+# T and N (tokens, sequences) unspecialised: one compile per BN whatever the step's counts
+@triton.jit(do_not_specialize=["T", "N"])
 def _conv_tok_kernel(x, w, st, y, cu_seqlens, slot_ids, T, s_xt, s_yt, C, N,
                      W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr,
                      HAS_STATE: tl.constexpr, SILU: tl.constexpr):
