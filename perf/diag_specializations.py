@@ -11,9 +11,9 @@ in such arguments, so a step unlike any before may pay compiles before it runs (
 bursts, perf/RESULTS.md session 37). For each composition in turn (one sequence's prompt, then
 batches of prompts with decodes among them, as serving waves make them) this calls the wrappers
 of one layer's prefill kernels at Volundr-32B's shapes (norms, SwiGLU, host lookups, the KV store
-and prefill attention, KDA's conv and chunked mixer, a mixed-bit matmul) and lists the new
-specialisations each composition made (triton.knobs.runtime.jit_cache_hook) and the seconds its
-compiles took here.
+and prefill attention, KDA's conv and chunked mixer, mixed-bit matmuls over the step's rows and
+over its logits rows) and lists the new specialisations each composition made
+(triton.knobs.runtime.jit_cache_hook) and the seconds its compiles took here.
 """
 
 from __future__ import annotations
@@ -76,10 +76,13 @@ def layer_step(lens: list[int]) -> None:
     kda.kda_mixer(qq, kk, vv, torch.randn(t, H, K, dtype=bf), torch.randn(t, H, dtype=bf),
                   torch.zeros(n + 1, H, K, K), slots, cu, cu_list, K ** -0.5,
                   A_log=torch.zeros(H, dtype=bf), dt_bias=torch.zeros(H * K, dtype=bf))
-    # a mixed-bit linear over the step's rows (M > 128: dequantised, then cuBLAS)
-    qw, s, zr = minmax_quant(torch.randn(256, 1024) / 32, 4, 128)
-    quant.quant_matmul(torch.randn(t, 1024, dtype=bf), *to_kernel_layout(qw, 4, 128),
-                       pack_scale_zero(s, zr), 4, 128)
+    # mixed-bit linears (2048 x 2048: at the tensor-core paths' size floor, so small steps take
+    # the GPU's paths): over the step's rows (M > 128: dequantised, then cuBLAS), 3-bit, and
+    # over one row a sequence, 4-bit (the lm_head's logits rows)
+    for rows, bits in ((t, 3), (n, 4)):
+        qw, s, zr = minmax_quant(torch.randn(2048, 2048) / 32, bits, 128)
+        quant.quant_matmul(torch.randn(rows, 2048, dtype=bf), *to_kernel_layout(qw, bits, 128),
+                           pack_scale_zero(s, zr), bits, 128)
 
 
 def warm_up_steps() -> list[tuple]:

@@ -287,7 +287,8 @@ def test_cuda_rows_residual_epilogue_and_rscale(bits):
 def test_cuda_engine_rows_path(monkeypatch):
     """VOLUNDR_I8_ROWS=8: the engine's 2-8-row matmuls (plain and with the MLP's SwiGLU) take
     gemv_i8_rows, == the naive reference; 9 rows stay on gemm_tc. I8_ROWS_CHUNKED=48 (the default):
-    20 and 33 rows as 16-row calls."""
+    20 and 33 rows as 16-row calls; eagerly, 3-15 rows (and a chunked call's rest) padded to a
+    power of two."""
     from volundr.kernels.quant import engine as qe
 
     monkeypatch.setattr(qe, "I8_ROWS", 8)
@@ -320,6 +321,22 @@ def test_cuda_engine_rows_path(monkeypatch):
             y = qe.quant_matmul(x, *layer, bits, 128)
             assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3, (bits, m)
     assert calls == [16, 4, 16, 16, 1] * 3
+    # outside graph capture 3-15 rows run as the next power of two (qe.eager_rows: no compile
+    # per row count while serving): the same rows as gemv_i8_rows on exactly m rows
+    calls.clear()
+    for bits in (2, 3, 4):
+        layer = _layer(5120, 5120, bits, bits)
+        for m in (3, 5, 13, 29):
+            x = torch.randn(m, 5120, device="cuda").to(torch.bfloat16)
+            y = qe.quant_matmul(x, *layer, bits, 128)
+            ref = naive_quant_matmul(x.float(), *layer, bits, 128, 5120)
+            assert y.shape == (m, 5120) and y.is_contiguous()
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3, (bits, m)
+            if m <= 16:
+                exact = gr.gemv_i8_rows(x, *layer, bits, 128,
+                                        **qe._rows_config(x, 5120, 5120, bits, 128))
+                assert ((y.float() - exact.float()).norm() / exact.norm()).item() < 1e-3
+    assert calls == [4, 3, 8, 5, 16, 13, 16, 16] * 3
 
 
 if __name__ == "__main__":

@@ -207,10 +207,12 @@ def quant_matmul(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch.
     if _takes_gemv_tc(x, k, n, bits, group_size):
         return gemv_tc.gemv_tc(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
                                **tc_config(bits, n, k))
-    rows_kw = _rows_config(x, k, n, bits, group_size)
-    if rows_kw is not None:
-        return gemv_i8_rows.gemv_i8_rows(x, qa, qb, sz, bits, group_size, swiglu=swiglu,
-                                         **rows_kw)
+    if _rows_config(x, k, n, bits, group_size) is not None:
+        xp = _pad_rows(x, eager_rows(m, x.is_cuda))
+        rows_kw = _rows_config(xp, k, n, bits, group_size)
+        if rows_kw is not None:
+            return gemv_i8_rows.gemv_i8_rows(xp, qa, qb, sz, bits, group_size, swiglu=swiglu,
+                                             **rows_kw)[:m]
     if I8_ROWS >= gemv_i8_rows.MAX_ROWS < m <= I8_ROWS_CHUNKED:
         y = _rows_chunked(x, qa, qb, sz, bits, group_size, swiglu)
         if y is not None:
@@ -241,14 +243,40 @@ def _rows_chunked(x: torch.Tensor, qa: torch.Tensor, qb: torch.Tensor, sz: torch
     m, n = x.shape[0], qa.shape[1]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     step = gemv_i8_rows.MAX_ROWS
-    chunks = [(i, _rows_kw(x[i:i + step], k, n, bits, group_size)) for i in range(0, m, step)]
+    last = m - (m - 1) // step * step  # rows of the last call
+    x = _pad_rows(x, m - last + eager_rows(last, x.is_cuda))
+    chunks = [(i, _rows_kw(x[i:i + step], k, n, bits, group_size))
+              for i in range(0, x.shape[0], step)]
     if any(kw is None for _, kw in chunks):
         return None
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for i, kw in chunks:
         gemv_i8_rows.gemv_i8_rows(x[i:i + step], qa, qb, sz, bits, group_size, swiglu=swiglu,
                                   out=y[i:i + step], **kw)
-    return y
+    return y[:m]
+
+
+def eager_rows(m: int, cuda: bool = True) -> int:
+    """The rows a gemv_i8_rows call of m rows runs as. Its row count is a constexpr (one
+    compile per count and weight shape): outside CUDA-graph capture m > 2 rounds up to a power
+    of two, the decode graphs' batch sizes, so eager steps (a short prefill, a step's logits
+    rows, a chunked call's last rows) reuse the variants that graph capture and the start-up
+    warm-up compiled instead of compiling one per count from 3 to 15 while serving (~1 s each,
+    every running request waiting: perf/RESULTS.md, session 39). The weights, read once
+    whatever the rows, dominate its time; the zero rows cost a copy of x. Captures keep m
+    (cuda: whether x is on a CUDA device, the only place a capture can be)."""
+    if m <= 2 or cuda and torch.cuda.is_current_stream_capturing():
+        return m
+    return 1 << (m - 1).bit_length()
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [M, K] with zero rows appended up to `rows` (x itself where M >= rows)."""
+    if rows <= x.shape[0]:
+        return x
+    xp = x.new_zeros(rows, x.shape[1])
+    xp[:x.shape[0]] = x
+    return xp
 
 
 def quant_matmul_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
