@@ -29,6 +29,8 @@ class WarmStep:
     prefill: list[int]  # the prompt tokens (or chunk) the step ran of each prefilling sequence
     decode_seqs: int  # sequences that made a token from a computed prompt
     seconds: float
+    # tokens each sequence had computed before the step: the decodes', then the prefills'
+    cached: list[int] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:
@@ -62,15 +64,17 @@ def _step(engine, report: WarmUp) -> None:
     t = time.perf_counter()
     engine.step()
     seconds = time.perf_counter() - t
-    prefill, decodes = [], 0
+    prefill, decodes, cached, cached_prefill = [], 0, [], []
     for rid, (done, prompt) in before.items():
         seq = engine.requests.get(rid)
         now = seq.num_computed_tokens if seq is not None else prompt
         if done >= prompt:
             decodes += 1
+            cached.append(done)
         elif now > done:
             prefill.append(min(now, prompt) - done)
-    report.steps.append(WarmStep(prefill, decodes, seconds))
+            cached_prefill.append(done)
+    report.steps.append(WarmStep(prefill, decodes, seconds, cached + cached_prefill))
 
 
 def warm_up(engine, seed: int = 0) -> WarmUp:

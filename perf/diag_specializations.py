@@ -32,8 +32,9 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 COMPOSITIONS = [(0, 1, 128), (0, 16, 128), (1, 15, 128), (2, 14, 128), (5, 11, 128),
                 (0, 16, 136), (3, 13, 136), (1, 15, 128), (0, 1, 136), (4, 1, 200)]
 
-def layer_step(lens: list[int]) -> None:
-    """One layer's prefill-path kernels for a step of sequences of these new-token counts."""
+def layer_step(lens: list[int], prefix: list[int] | None = None) -> None:
+    """One layer's prefill-path kernels for a step of sequences of these new-token counts, each
+    over `prefix` tokens already cached (a later chunk, a resumed session; default none)."""
     from volundr.kernels.attention import engine as attn
     from volundr.kernels.engram.lookup import embedding_lookup, engram_lookup
     from volundr.kernels.kda import engine as kda
@@ -59,15 +60,16 @@ def layer_step(lens: list[int]) -> None:
                   torch.full((8,), 2, dtype=torch.int32), z8 + 1,
                   torch.empty(t, 8 * 256, dtype=bf))
     # attention: the new tokens' K/V stored, then attention over cache + themselves
-    blocks = max(1, -(-max(lens) // 16))
+    ctx_list = [a + b for a, b in zip(lens, prefix or [0] * n)]
+    blocks = max(1, -(-max(ctx_list) // 16))
     kc = torch.zeros(n * blocks, 16, kvh, K, dtype=bf)
     qkv = torch.randn(t, H + 2 * kvh, K, dtype=bf)
     q, kn, vn = qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
     attn.store_kv(kn, vn, kc, kc.clone(), torch.arange(t))
     tables = torch.arange(n * blocks, dtype=torch.int32).view(n, blocks)
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    attn.paged_attention(q, kc, kc.clone(), tables, cu, ctx, K ** -0.5, max(lens), max(lens),
-                         kn, vn)
+    ctx = torch.tensor(ctx_list, dtype=torch.int32)
+    attn.paged_attention(q, kc, kc.clone(), tables, cu, ctx, K ** -0.5, max(lens),
+                         max(ctx_list), kn, vn)
     # KDA: the short conv, then the mixer (chunked, or recurrent for short sequences)
     slots = torch.arange(n)
     y = kda.causal_conv(torch.randn(t, 3 * H * K, dtype=bf), torch.randn(3 * H * K, 4, dtype=bf),
@@ -86,9 +88,9 @@ def layer_step(lens: list[int]) -> None:
 
 
 def warm_up_steps() -> list[tuple]:
-    """volundr.warmup's prefill steps as (decodes, prompts, longest, lens): its requests on the
-    tiny model, scheduled as the 48gb profile schedules them (16 sequences, 8192 tokens a step,
-    decode_steps 8); the composition is the scheduler's, whatever the model."""
+    """volundr.warmup's prefill steps as (decodes, prompts, longest, lens, cached): its requests
+    on the tiny model, scheduled as the 48gb profile schedules them (16 sequences, 8192 tokens
+    a step, decode_steps 8); the composition is the scheduler's, whatever the model."""
     from volundr.converter.presets import get_config, random_state_dict
     from volundr.engine import EngineConfig, LLMEngine
     from volundr.warmup import warm_up
@@ -98,8 +100,8 @@ def warm_up_steps() -> list[tuple]:
                   EngineConfig(device="cpu", dtype=torch.float32, max_num_seqs=16,
                                max_num_batched_tokens=8192, max_model_len=16384,
                                num_kv_blocks=2048, decode_steps=8, cuda_graphs=False), (2,))
-    return [(s.decode_seqs, s.prefill_seqs, max(s.prefill), [1] * s.decode_seqs + s.prefill)
-            for s in warm_up(e).steps if s.prefill]
+    return [(s.decode_seqs, s.prefill_seqs, max(s.prefill), [1] * s.decode_seqs + s.prefill,
+             s.cached) for s in warm_up(e).steps if s.prefill]
 
 
 def main() -> None:
@@ -113,12 +115,16 @@ def main() -> None:
                     help="N more compositions after the listed ones, drawn at random (seeded): "
                     "up to 16 sequences, a random share of them decodes, prompt lengths 1-700 "
                     "each (a serving mix of chat and completions prompts)")
+    ap.add_argument("--prefixes", action="store_true",
+                    help="the random compositions' sequences over cached prefixes: decodes "
+                    "at contexts of 1-6000 tokens, half the prompts over 1-6000 cached tokens "
+                    "(resumed sessions, later chunks)")
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))
     from diag_admission import COMPILED, install_hook
     from test_kernels_compile import _install_fake_driver
 
-    steps = [(decodes, prompts, plen, [1] * decodes + [plen] * prompts)
+    steps = [(decodes, prompts, plen, [1] * decodes + [plen] * prompts, None)
              for decodes, prompts, plen in COMPOSITIONS]
     if args.warm_up:
         steps = warm_up_steps() + steps
@@ -127,16 +133,20 @@ def main() -> None:
         n = rng.randint(1, 16)
         decodes = rng.randint(0, n - 1)
         lens = [1] * decodes + [rng.randint(1, 700) for _ in range(n - decodes)]
-        steps.append((decodes, n - decodes, max(lens[decodes:]), lens))
+        prefix = None
+        if args.prefixes:
+            prefix = [rng.randint(1, 6000) if i < decodes or rng.random() < 0.5 else 0
+                      for i in range(n)]
+        steps.append((decodes, n - decodes, max(lens[decodes:]), lens, prefix))
     _install_fake_driver()
     install_hook()
     res = []
-    for decodes, prompts, plen, lens in steps:
+    for decodes, prompts, plen, lens, prefix in steps:
         COMPILED.clear()
         t = time.perf_counter()
-        layer_step(lens)
+        layer_step(lens, prefix)
         row = {"decodes": decodes, "prompts": prompts, "prompt_len": plen, "lens": lens,
-               "tokens": sum(lens),
+               "prefix": prefix, "tokens": sum(lens),
                "seconds": round(time.perf_counter() - t, 2), "new": sorted(COMPILED)}
         res.append(row)
         print(f"{decodes:2d} decodes + {prompts:2d} x {plen} ({sum(lens):5d} tokens): "
