@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from volundr.sampling_params import SamplingParams
+from volundr.serve.clocks import JitClock
 
 # prompt lengths of a burst: one token, a multiple of 16, odd ones (Triton specialises integer
 # arguments on divisibility by 16 and on == 1)
@@ -44,6 +45,8 @@ class WarmStep:
 @dataclass
 class WarmUp:
     steps: list[WarmStep] = field(default_factory=list)
+    kernels: int = 0  # Triton specialisations made during it (compiled or loaded from disk)
+    kernel_s: float = 0.0  # their seconds
 
     @property
     def seconds(self) -> float:
@@ -55,7 +58,8 @@ class WarmUp:
         slow = max(self.steps, key=lambda s: s.seconds)
         return (f"warm-up: {len(self.steps)} steps in {self.seconds:.1f} s (slowest "
                 f"{slow.seconds:.2f} s: {slow.prefill_seqs} prompts of {slow.prefill_tokens} "
-                f"tokens beside {slow.decode_seqs} decodes)")
+                f"tokens beside {slow.decode_seqs} decodes); Triton specialised {self.kernels} "
+                f"kernels in {self.kernel_s:.1f} s of it")
 
 
 def _step(engine, report: WarmUp) -> None:
@@ -94,6 +98,19 @@ def warm_up(engine, seed: int = 0) -> WarmUp:
         return WarmUp()
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     report = WarmUp()
+    clock = JitClock()
+    clock.install()
+    try:
+        _run(engine, report, rng, params, cap)
+    finally:
+        clock.uninstall()
+    report.kernels, report.kernel_s = clock.count, clock.total
+    engine.spec_steps = engine.spec_seqs = engine.spec_tokens = engine.spec_stopped = 0
+    return report
+
+
+def _run(engine, report: WarmUp, rng: random.Random, params: SamplingParams, cap: int) -> None:
+    ecfg = engine.ecfg
     names = itertools.count()
 
     def add(length: int) -> None:
@@ -130,5 +147,3 @@ def warm_up(engine, seed: int = 0) -> WarmUp:
         _step(engine, report)
         add(ecfg.max_num_batched_tokens + ecfg.max_num_batched_tokens // 2 + 3)
         finish()
-    engine.spec_steps = engine.spec_seqs = engine.spec_tokens = engine.spec_stopped = 0
-    return report

@@ -23,8 +23,13 @@ def test_warm_up_runs_a_servers_first_steps_and_leaves_the_engine_fresh(tiny):  
     assert any(s.decode_seqs >= 1 and s.prefill_seqs >= 2 for s in steps)
     assert any(s.decode_seqs == kw["max_num_seqs"] and not s.prefill_seqs for s in steps)
     # the long prompt (64 + 32 + 3 tokens) in two chunks beside the short one's decode
-    assert [s.prefill_tokens for s in steps if s.decode_seqs == 1 and s.prefill_seqs == 1][:2] \
-        == [63, 36]
+    chunks = [s for s in steps if s.decode_seqs == 1 and s.prefill_seqs == 1][:2]
+    assert [s.prefill_tokens for s in chunks] == [63, 36]
+    # what each sequence had computed before the step: the decode's context, then the prompt's
+    # cached prefix (none for the first chunk, the first chunk's 63 tokens for the second)
+    assert [c.cached[1] for c in chunks] == [0, 63] and all(c.cached[0] > 0 for c in chunks)
+    # (the CPU runs PyTorch's ops: no Triton kernel to specialise)
+    assert report.kernels == 0 and "Triton specialised 0 kernels" in report.summary()
     stats = warm.stats()
     assert stats == fresh.stats()
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
