@@ -126,8 +126,11 @@ def _run(engine, report: WarmUp, rng: random.Random, params: SamplingParams, cap
             _step(engine, report)
 
     lengths = itertools.cycle(BURST_LENGTHS)
-    for length in (128, 29):  # a prompt alone: a multiple of 16, and odd rows in (16, 64]
-        add(length)  # (quant_matmul's split count follows M's 64-row tiles)
+    # a prompt alone: a multiple of 16, odd rows in (16, 64] (quant_matmul's split count follows
+    # M's 64-row tiles), and short ones whose matmuls run as 8, 4 and 2 rows (eager_rows: with
+    # one sequence, as on the 16gb profile, no graph of those sizes compiled them)
+    for length in (128, 29, 7, 3, 2):
+        add(length)
         finish()
     # prompts beside decodes in steps of 2, 4, 8, ... sequences (kernels size blocks by the
     # step's sequences rounded up to a power of two: one variant each)
